@@ -1,0 +1,522 @@
+"""MNIST for the NICE experiment (paper §4.3): IDX reader, download, transforms, LightningDataModule.
+
+No torchvision: the four original IDX files are read directly. They are looked for in ``<root>/mnist/``,
+``<root>/MNIST/raw/`` (torchvision's layout) and ``<root>/``, gzipped or not. When missing and
+``download=True`` they are fetched from the original source (torchvision's mirror first, then
+yann.lecun.com) to a temporary file, md5-checked, and renamed into ``<root>/mnist/`` atomically.
+
+Transforms (pure functions, any tensor shape)
+---------------------------------------------
+Let v ∈ {0, …, 255}^D be the bytes of an image (D = 784), λ = ``logit_eps``.
+
+1. Uniform dequantisation (paper: "uniform noise in [−1/512, 1/512]" around the bin centre):
+       x = (v + u) / 256,  u ~ U(0, 1)^D   ⇔   x = (v + ½)/256 + U(−1/512, 1/512)
+   so x ∈ [0, 1) and x lies in v's bin [v/256, (v+1)/256). Without dequantisation: x = (v + ½)/256.
+2. Squash into [λ, 1 − λ], then logit:  y = logit(x'),  logit(p) = log p − log(1 − p), with
+       ``squash="affine"`` (default): x' = λ + (1 − 2λ) x     — a smooth bijection of [0, 1] onto [λ, 1 − λ];
+       ``squash="clamp"`` (reference code): x' = clamp(x, λ, 1 − λ).
+   Clamping maps every x < λ (a quarter of the zero pixels, ~20 % of all MNIST pixels, for λ = 1e-3) to the
+   same value: the data get a point mass, which an exact-likelihood model can exploit without bound, and
+   the map has no Jacobian there. The affine squash keeps the density well defined; ``"clamp"`` is kept to
+   reproduce the reference preprocessing.
+
+Densities and bits/dim (every Jacobian included)
+------------------------------------------------
+A model gives log p_Y(y) in logit space. With u = v + noise ∈ [0, 256)^D and x = u/256:
+
+    log p_X(x) = log p_Y(y) + Σ_i log |dy_i/dx_i|,
+        log |dy_i/dx_i| = log(1 − 2λ) − log x'_i − log(1 − x'_i)      (affine; the log(1 − 2λ) term is
+                                                                          absent for "clamp", whose
+                                                                          clamped entries are ignored)
+                        = log(1 − 2λ) + softplus(y_i) + softplus(−y_i)    (the same, from y)
+    log p_U(u) = log p_X(x) − D log 256
+    bits/dim   = −log p_U(u) / (D ln 2)
+
+Averaged over the dequantisation noise this is an upper bound on the discrete model's bits/dim (Theis et
+al. 2016). :func:`logit_log_det_jacobian` (from x) and :func:`bits_per_dim` (from y) implement it.
+The reference code and the paper report log p_Y (logit space, no Jacobians): that is ``log_likelihood``
+of the model on the batches of :class:`MNISTDataModule`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import math
+import os
+import tempfile
+import urllib.error
+import urllib.request
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+# ---------------------------------------------------------------------------------------------- files
+FILES = {
+    "train_images": "train-images-idx3-ubyte",
+    "train_labels": "train-labels-idx1-ubyte",
+    "test_images": "t10k-images-idx3-ubyte",
+    "test_labels": "t10k-labels-idx1-ubyte",
+}
+MD5 = {  # of the .gz files, as torchvision checks them
+    "train-images-idx3-ubyte": "f68b3c2dcbeaaa9fbdd348bbdeb94873",
+    "train-labels-idx1-ubyte": "d53e105ee54ea40749a09fcbcd1e9432",
+    "t10k-images-idx3-ubyte": "9fb629c4189551a2d022fa330f9573f3",
+    "t10k-labels-idx1-ubyte": "ec29112dd5afa0611ce80d1b7f02629c",
+}
+MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",  # torchvision's mirror
+    "http://yann.lecun.com/exdb/mnist/",  # the original
+)
+DOWNLOAD_TIMEOUT_S = 60.0
+
+# IDX type codes -> big-endian numpy dtypes
+_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
+_IDX_CODES = {np.dtype(v).newbyteorder("=").str: k for k, v in _IDX_DTYPES.items()}
+
+
+class IDXFormatError(ValueError):
+    """An IDX file that is not one, or is truncated/corrupt (the message names the file)."""
+
+
+def read_idx(path: str | os.PathLike) -> torch.Tensor:
+    """Read an IDX file (gzipped or raw, detected from the content) into a tensor of its shape and type.
+
+    Raises :class:`IDXFormatError` naming the file when it is not valid gzip, its magic number is wrong, or
+    its payload does not match the header's dimensions.
+    """
+    path = Path(path)
+    try:
+        raw = path.read_bytes()
+        data = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
+    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise IDXFormatError(
+            f"{path}: corrupt or truncated gzip file ({exc}). Delete it and download it again "
+            "(or copy a verified one, e.g. from ../shared/data/mnist/)."
+        ) from exc
+    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES or data[3] < 1:
+        raise IDXFormatError(
+            f"{path}: not an IDX file (magic number {data[:4].hex() or 'missing'}; expected 0000 followed by "
+            "a type code in {08,09,0b,0c,0d,0e} and the number of dimensions). Delete it and download it again."
+        )
+    dtype = np.dtype(_IDX_DTYPES[data[2]])
+    ndim = data[3]
+    header = 4 + 4 * ndim
+    if len(data) < header:
+        raise IDXFormatError(f"{path}: truncated IDX file: the header of {ndim} dimensions is incomplete.")
+    dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
+    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
+    found = len(data) - header
+    if found != expected:
+        raise IDXFormatError(
+            f"{path}: truncated or corrupt IDX file: the header says shape {dims} ({expected} bytes of "
+            f"{dtype.name}), the file holds {found}. Delete it and download it again."
+        )
+    array = np.frombuffer(data, dtype=dtype, offset=header).reshape(dims)
+    return torch.from_numpy(array.astype(dtype.newbyteorder("="), copy=True))
+
+
+def write_idx(path: str | os.PathLike, tensor: torch.Tensor | np.ndarray, compress: bool | None = None) -> Path:
+    """Write an array as an IDX file (gzipped when ``compress`` or the name ends in ``.gz``)."""
+    path = Path(path)
+    array = np.ascontiguousarray(tensor.numpy() if isinstance(tensor, torch.Tensor) else tensor)
+    code = _IDX_CODES.get(array.dtype.newbyteorder("=").str)
+    if code is None:
+        raise ValueError(f"IDX cannot store dtype {array.dtype}")
+    body = (bytes([0, 0, code, array.ndim]) + np.asarray(array.shape, dtype=">u4").tobytes()
+            + array.astype(_IDX_DTYPES[code]).tobytes())
+    if compress if compress is not None else path.suffix == ".gz":
+        body = gzip.compress(body, compresslevel=1)
+    path.write_bytes(body)
+    return path
+
+
+def search_dirs(root: str | os.PathLike) -> list[Path]:
+    """The folders looked in, in order: ``<root>/mnist``, ``<root>/MNIST/raw``, ``<root>``."""
+    root = Path(root).expanduser()
+    return [root / "mnist", root / "MNIST" / "raw", root]
+
+
+def find_file(root: str | os.PathLike, name: str) -> Path | None:
+    """First of ``<dir>/<name>.gz`` or ``<dir>/<name>`` over :func:`search_dirs`, or None."""
+    for folder in search_dirs(root):
+        for candidate in (folder / f"{name}.gz", folder / name):
+            if candidate.is_file():
+                return candidate
+    return None
+
+
+# the opener the downloader uses; tests replace it (the network is never needed to test this module)
+_urlopen = urllib.request.urlopen
+
+
+def _md5(path: Path) -> str:
+    digest = hashlib.md5()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def download_file(name: str, folder: str | os.PathLike, mirrors: Sequence[str] = MIRRORS) -> Path:
+    """Download ``<name>.gz`` into ``folder`` from the first mirror that serves it with the right md5.
+
+    The bytes go to a temporary file in ``folder`` that is renamed into place only after its md5 matched,
+    so an interrupted or concurrent download never leaves a partial file under the final name.
+    Raises ``FileNotFoundError`` listing every mirror tried and why it failed.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / f"{name}.gz"
+    expected = MD5[name]
+    failures = []
+    for mirror in mirrors:
+        url = f"{mirror}{name}.gz"
+        fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
+        tmp = Path(tmp_name)
+        try:
+            digest = hashlib.md5()
+            with os.fdopen(fd, "wb") as out, _urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
+                for chunk in iter(lambda: response.read(1 << 20), b""):
+                    digest.update(chunk)
+                    out.write(chunk)
+            got = digest.hexdigest()
+            if got != expected:
+                failures.append(f"{url}: md5 mismatch (expected {expected}, got {got})")
+                continue
+            os.replace(tmp, target)
+            return target
+        except (urllib.error.URLError, OSError, ValueError) as exc:  # HTTPError and timeouts included
+            failures.append(f"{url}: {type(exc).__name__}: {exc}")
+        finally:
+            tmp.unlink(missing_ok=True)
+    raise FileNotFoundError(f"could not download {name}.gz:\n  " + "\n  ".join(failures))
+
+
+def locate_mnist(root: str | os.PathLike, download: bool = True) -> dict[str, Path]:
+    """Paths of the four MNIST files under ``root``, downloading the missing ones when ``download``."""
+    found: dict[str, Path] = {}
+    for key, name in FILES.items():
+        path = find_file(root, name)
+        if path is None:
+            reason = "download=False"
+            if download:
+                try:
+                    path = download_file(name, search_dirs(root)[0])
+                except FileNotFoundError as exc:
+                    reason = str(exc)
+            if path is None:
+                searched = "\n  ".join(str(d / f"{name}.gz") for d in search_dirs(root))
+                raise FileNotFoundError(
+                    f"MNIST file {name}.gz not found. Searched:\n  {searched}\n({reason})\n"
+                    f"Fix: place the four MNIST IDX files ({', '.join(f + '.gz' for f in FILES.values())}) "
+                    f"in {search_dirs(root)[0]}, or point data.root at a folder that has them "
+                    "(e.g. data.root=../shared/data, which holds verified copies), or allow downloads "
+                    "(data.download=true) on a machine with internet access."
+                )
+        found[key] = path
+    return found
+
+
+def load_mnist(root: str | os.PathLike, download: bool = True) -> dict[str, torch.Tensor]:
+    """The four MNIST arrays: ``train_images`` [60000, 28, 28] uint8, ``train_labels`` [60000] uint8, ``test_*``."""
+    paths = locate_mnist(root, download=download)
+    arrays = {key: read_idx(path) for key, path in paths.items()}
+    for split in ("train", "test"):
+        images, labels = arrays[f"{split}_images"], arrays[f"{split}_labels"]
+        if images.dim() != 3 or tuple(images.shape[1:]) != (28, 28) or images.dtype != torch.uint8:
+            raise IDXFormatError(f"{paths[f'{split}_images']}: expected uint8 images [N, 28, 28], "
+                                 f"got {images.dtype} {tuple(images.shape)}")
+        if labels.dim() != 1 or labels.shape[0] != images.shape[0]:
+            raise IDXFormatError(f"{paths[f'{split}_labels']}: {tuple(labels.shape)} labels for "
+                                 f"{images.shape[0]} images in {paths[f'{split}_images']}")
+    return arrays
+
+
+# ----------------------------------------------------------------------------------------- transforms
+SQUASH_MODES = ("affine", "clamp")
+
+
+def _check_squash(squash: str, eps: float) -> None:
+    if squash not in SQUASH_MODES:
+        raise ValueError(f"squash must be one of {SQUASH_MODES}, got {squash!r}")
+    if not 0.0 < eps < 0.5:
+        raise ValueError(f"logit_eps must be in (0, 0.5), got {eps}")
+
+
+def dequantize(v: torch.Tensor, generator: torch.Generator | None = None, noise: bool = True) -> torch.Tensor:
+    """Bytes v ∈ {0..255} → x = (v + u)/256 with u ~ U(0, 1) (``noise=False``: u = ½), float32 (float64 stays)."""
+    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
+    v = v.to(dtype)
+    if not noise:
+        return (v + 0.5) / 256.0
+    if generator is not None and generator.device != v.device:
+        u = torch.rand(v.shape, generator=generator, device=generator.device, dtype=dtype).to(v.device)
+    else:
+        u = torch.rand(v.shape, generator=generator, device=v.device, dtype=dtype)
+    return (v + u) / 256.0
+
+
+def squash_unit(x: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
+    """x ∈ [0, 1] → x' ∈ [λ, 1 − λ] (affine map or clamp)."""
+    _check_squash(squash, eps)
+    if squash == "affine":
+        return eps + (1.0 - 2.0 * eps) * x
+    return x.clamp(eps, 1.0 - eps)
+
+
+def to_logit(x: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
+    """Pixels x ∈ [0, 1] → y = logit(x'), x' = squash(x) ∈ [λ, 1 − λ]."""
+    p = squash_unit(x, eps, squash)
+    return torch.log(p) - torch.log1p(-p)
+
+
+def from_logit(y: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
+    """Inverse of :func:`to_logit` (for "clamp": inverse on [λ, 1 − λ], i.e. returns sigmoid(y))."""
+    _check_squash(squash, eps)
+    p = torch.sigmoid(y)
+    return (p - eps) / (1.0 - 2.0 * eps) if squash == "affine" else p
+
+
+def logit_log_det_jacobian(x: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
+    """Σ_i log |dy_i/dx_i| of :func:`to_logit` at pixels x, summed over all but the first dim → ``[B]``.
+
+    affine: Σ log(1 − 2λ) − log x' − log(1 − x');  clamp: Σ −log x' − log(1 − x') (the clamp is ignored).
+    """
+    p = squash_unit(x, eps, squash)
+    per_entry = -torch.log(p) - torch.log1p(-p)
+    if squash == "affine":
+        per_entry = per_entry + math.log1p(-2.0 * eps)
+    return per_entry.flatten(1).sum(dim=1)
+
+
+def logit_log_det_jacobian_from_logit(y: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
+    """The same as :func:`logit_log_det_jacobian`, from y = to_logit(x): Σ softplus(y) + softplus(−y) (+ log(1 − 2λ))."""
+    _check_squash(squash, eps)
+    per_entry = torch.nn.functional.softplus(y) + torch.nn.functional.softplus(-y)
+    if squash == "affine":
+        per_entry = per_entry + math.log1p(-2.0 * eps)
+    return per_entry.flatten(1).sum(dim=1)
+
+
+def bits_per_dim(log_p_logit: torch.Tensor, y: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
+    """Bits/dim in the 8-bit pixel space from log p_Y(y) ``[B]`` in logit space (module docstring formula)."""
+    d = y[0].numel()
+    log_p_x = log_p_logit + logit_log_det_jacobian_from_logit(y, eps, squash)
+    log_p_u = log_p_x - d * math.log(256.0)
+    return -log_p_u / (d * math.log(2.0))
+
+
+# --------------------------------------------------------------------------------------- datamodule
+class _Rows(Dataset):
+    def __init__(self, data: torch.Tensor):
+        self.data = data
+
+    def __len__(self) -> int:
+        return self.data.shape[0]
+
+    def __getitem__(self, i):
+        return self.data[i]
+
+
+class DequantizeLogit:
+    """Collate for training: stack uint8 rows, add fresh uniform noise, squash, logit → float32 [B, 784].
+
+    Picklable (DataLoader workers, DDP). Noise comes from the process's global torch RNG (seeded by
+    ``seed_everything``; DataLoader workers get their own per-worker seeds).
+    """
+
+    def __init__(self, dequantize: bool = True, eps: float = 1e-3, squash: str = "affine"):
+        _check_squash(squash, eps)
+        self.dequantize = bool(dequantize)
+        self.eps = float(eps)
+        self.squash = squash
+
+    def __call__(self, rows: list[torch.Tensor]) -> torch.Tensor:
+        v = torch.stack(rows) if isinstance(rows, (list, tuple)) else rows
+        return to_logit(dequantize(v, noise=self.dequantize), self.eps, self.squash)
+
+
+class MNISTDataModule(L.LightningDataModule):
+    """MNIST in logit space, flat ``[B, 784]`` float32 batches (paper §4.3).
+
+    - ``split=(0.7, 0.2, 0.1)``: fractions of all 70 000 images (train + t10k pooled, as the paper does):
+      49 000 / 14 000 / 7 000, from a permutation seeded by ``seed`` (global RNG untouched).
+      ``split="reference"``: the reference code's 90/10 split of the 60 000 training images, test = t10k.
+    - ``limit``: keep only the first ``limit`` images of the seeded permutation, then split (quick runs;
+      with ``split="reference"``: ``limit // 10`` t10k images for test, the rest from the training file).
+    - Training batches (shuffled; the last incomplete one dropped) get fresh dequantisation noise each time
+      (in the collate, from the global torch RNG); the validation and test
+      sets are dequantised once with a noise seeded from ``seed``, so evaluation is deterministic.
+    - ``train_data`` / ``val_data`` / ``test_data``: the whole splits as float32 ``[N, 784]`` logit tensors
+      with that fixed noise (computed on first use); ``*_bytes``: the uint8 ``[N, 784]`` pixels;
+      ``*_labels``: the digits.
+    """
+
+    dim = 784
+    image_shape = (1, 28, 28)
+    has_ground_truth = False
+
+    def __init__(
+        self,
+        root: str | os.PathLike = "data",
+        batch_size: int = 128,
+        eval_batch_size: int = 512,
+        download: bool = True,
+        split: Sequence[float] | str = (0.7, 0.2, 0.1),
+        seed: int = 2019,
+        dequantize: bool = True,
+        logit_eps: float = 1e-3,
+        squash: str = "affine",
+        num_workers: int = 0,
+        limit: int | None = None,
+    ):
+        super().__init__()
+        _check_squash(squash, logit_eps)
+        if isinstance(split, str):
+            if split != "reference":
+                raise ValueError(f"split must be three fractions or 'reference', got {split!r}")
+        else:
+            split = tuple(float(f) for f in split)
+            if len(split) != 3 or min(split) < 0 or abs(sum(split) - 1.0) > 1e-6 or split[0] <= 0:
+                raise ValueError(f"split must be three non-negative fractions summing to 1 (train > 0), got {split}")
+        if limit is not None and int(limit) < 3:
+            raise ValueError(f"limit must be None or >= 3, got {limit}")
+        self.root = Path(root).expanduser()
+        self.batch_size = int(batch_size)
+        self.eval_batch_size = int(eval_batch_size)
+        self.download = bool(download)
+        self.split = split
+        self.seed = int(seed)
+        self.dequantize = bool(dequantize)
+        self.logit_eps = float(logit_eps)
+        self.squash = squash
+        self.num_workers = int(num_workers)
+        self.limit = None if limit is None else int(limit)
+        self.split_indices: dict[str, torch.Tensor] | None = None
+        self._bytes: dict[str, torch.Tensor] = {}
+        self._labels: dict[str, torch.Tensor] = {}
+        self._fixed: dict[str, torch.Tensor] = {}
+
+    # ------------------------------------------------------------------ lightning hooks
+    def prepare_data(self) -> None:
+        locate_mnist(self.root, download=self.download)  # downloads once (local rank 0)
+
+    def setup(self, stage: str | None = None) -> None:
+        if self._bytes:
+            return
+        arrays = load_mnist(self.root, download=self.download)
+        images = torch.cat([arrays["train_images"], arrays["test_images"]]).flatten(1)
+        labels = torch.cat([arrays["train_labels"], arrays["test_labels"]])
+        n_train_file = arrays["train_images"].shape[0]
+        g = torch.Generator().manual_seed(self.seed)
+        if self.split == "reference":
+            perm = torch.randperm(n_train_file, generator=g)
+            test_idx = torch.arange(n_train_file, images.shape[0])
+            if self.limit is not None:
+                perm = perm[: self.limit - max(1, self.limit // 10)]
+                test_idx = test_idx[: max(1, self.limit // 10)]
+            n_val = max(1, round(0.1 * perm.numel()))
+            idx = {"train": perm[n_val:], "val": perm[:n_val], "test": test_idx}
+        else:
+            perm = torch.randperm(images.shape[0], generator=g)
+            if self.limit is not None:
+                perm = perm[: self.limit]
+            n = perm.numel()
+            n_train = round(self.split[0] * n)
+            n_val = round(self.split[1] * n)
+            idx = {"train": perm[:n_train], "val": perm[n_train : n_train + n_val], "test": perm[n_train + n_val :]}
+        self.split_indices = idx
+        for name, i in idx.items():
+            self._bytes[name] = images[i].contiguous()
+            self._labels[name] = labels[i].long()
+
+    def _require(self, name: str) -> torch.Tensor:
+        if not self._bytes:
+            raise RuntimeError("MNISTDataModule: call setup() first")
+        return self._bytes[name]
+
+    # ------------------------------------------------------------------ data
+    @property
+    def train_bytes(self) -> torch.Tensor:
+        return self._require("train")
+
+    @property
+    def val_bytes(self) -> torch.Tensor:
+        return self._require("val")
+
+    @property
+    def test_bytes(self) -> torch.Tensor:
+        return self._require("test")
+
+    @property
+    def train_labels(self) -> torch.Tensor:
+        self._require("train")
+        return self._labels["train"]
+
+    @property
+    def val_labels(self) -> torch.Tensor:
+        self._require("val")
+        return self._labels["val"]
+
+    @property
+    def test_labels(self) -> torch.Tensor:
+        self._require("test")
+        return self._labels["test"]
+
+    def fixed_logit(self, name: str) -> torch.Tensor:
+        """Split ``name`` in logit space with a dequantisation noise seeded by (seed, split): deterministic."""
+        if name not in self._fixed:
+            v = self._require(name)
+            offset = {"train": 1, "val": 2, "test": 3}[name]
+            g = torch.Generator().manual_seed(self.seed * 10 + offset)
+            x = dequantize(v, generator=g, noise=self.dequantize)
+            self._fixed[name] = to_logit(x, self.logit_eps, self.squash)
+        return self._fixed[name]
+
+    @property
+    def train_data(self) -> torch.Tensor:
+        return self.fixed_logit("train")
+
+    @property
+    def val_data(self) -> torch.Tensor:
+        return self.fixed_logit("val")
+
+    @property
+    def test_data(self) -> torch.Tensor:
+        return self.fixed_logit("test")
+
+    # ------------------------------------------------------------------ loaders
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(
+            # equal-sized steps (memory and time per step comparable), unless that would leave no batch
+            _Rows(self.train_bytes), batch_size=self.batch_size, shuffle=True,
+            drop_last=self.train_bytes.shape[0] >= self.batch_size,
+            collate_fn=DequantizeLogit(self.dequantize, self.logit_eps, self.squash),
+            num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+        )
+
+    def _eval_loader(self, name: str) -> DataLoader:
+        return DataLoader(_Rows(self.fixed_logit(name)), batch_size=self.eval_batch_size, shuffle=False,
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._eval_loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._eval_loader("test")
+
+    # ------------------------------------------------------------------ helpers
+    def to_pixels(self, y: torch.Tensor) -> torch.Tensor:
+        """Logit-space samples ``[B, 784]`` → images ``[B, 1, 28, 28]`` in [0, 1] (for sample grids)."""
+        x = from_logit(y.reshape(-1, *self.image_shape), self.logit_eps, self.squash)
+        return x.clamp(0.0, 1.0)
+
+    def bits_per_dim(self, log_p_logit: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Pixel-space bits/dim ``[B]`` from the model's log p(y) ``[B]`` on logit-space batches y."""
+        return bits_per_dim(log_p_logit, y, self.logit_eps, self.squash)

@@ -1,0 +1,68 @@
+"""Recompute the test metrics of a finished run from a checkpoint.
+
+    python -m src.evaluate ckpt_path=outputs/train/runs/<time>/checkpoints/last.ckpt
+
+The run's composed config is read from ``<run dir>/.hydra/config.yaml`` (the checkpoint's run directory);
+any further ``key=value`` arguments override it (e.g. ``data.root=...``). The metrics are printed and
+written to ``<run dir>/eval_metrics.json`` (the run's own metrics.json is never touched).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from src.checkpoints import check_checkpoint
+from src.train import _print_metrics, write_json_atomic
+
+
+def find_run_config(ckpt: Path) -> Path:
+    for parent in [ckpt.parent, *ckpt.parents]:
+        cand = parent / ".hydra" / "config.yaml"
+        if cand.is_file():
+            return cand
+    raise FileNotFoundError(
+        f"no run config (.hydra/config.yaml) found above checkpoint {ckpt}; src.evaluate needs the run directory "
+        "that src.train created (checkpoints/ and .hydra/ side by side)"
+    )
+
+
+def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    ckpt = Path(ckpt_path)
+    check_checkpoint(ckpt)
+    cfg = OmegaConf.load(find_run_config(ckpt))
+    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    # paths.output_dir holds a ${hydra:...} interpolation when composed by Hydra: pin it to the run dir
+    cfg.paths.output_dir = str(run_dir)
+    if overrides:
+        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    L.seed_everything(cfg.seed, workers=True)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model)
+    trainer = L.Trainer(
+        accelerator=cfg.trainer.get("accelerator", "cpu"), devices=1, logger=False, inference_mode=False,
+        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(run_dir),
+    )
+    trainer.test(model, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=False, verbose=False)
+    metrics = dict(model.test_results)
+    metrics["checkpoint"] = str(ckpt)
+    write_json_atomic(run_dir / "eval_metrics.json", metrics)
+    _print_metrics(metrics, run_dir / "eval_metrics.json")
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ckpt = [a.split("=", 1)[1] for a in argv if a.startswith("ckpt_path=")]
+    if not ckpt:
+        raise SystemExit("usage: python -m src.evaluate ckpt_path=<run dir>/checkpoints/last.ckpt [key=value ...]")
+    evaluate(ckpt[0], [a for a in argv if not a.startswith("ckpt_path=")])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Let boolean-looking config-group choices work: ``deq=true`` / ``deq=false``.
+
+Hydra's override grammar parses ``true``/``false`` as booleans and then refuses them as config-group
+choices ("Config group override must be a string or a list. Got bool"). Our ``deq`` group is switched
+exactly that way, so for overrides that name an existing config group a boolean value is turned back into
+the option name ``"true"``/``"false"`` before Hydra builds the defaults list. Nothing else changes: a
+boolean for a plain key stays a boolean. Installed on ``import src`` (every entry point imports it), so
+``hydra.compose(..., overrides=["deq=true"])`` works in tools that import the package first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_INSTALLED = False
+
+
+def install() -> None:
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from hydra._internal import defaults_list
+
+    original = defaults_list.Overrides.__init__
+
+    @functools.wraps(original)
+    def __init__(self, repo, overrides_list):  # noqa: N807
+        for override in overrides_list:
+            if override.is_sweep_override() or not repo.group_exists(override.key_or_group):
+                continue
+            if isinstance(override._value, bool):
+                override._value = "true" if override._value else "false"
+        original(self, repo, overrides_list)
+
+    defaults_list.Overrides.__init__ = __init__
+    _INSTALLED = True

@@ -1,0 +1,184 @@
+"""Hydra entry point: compose -> instantiate -> fit -> test -> ``<run dir>/metrics.json``.
+
+    python -m src.train                                     # DEQ-DKEF, exact SM, synthetic Gaussian
+    python -m src.train model=dkef loss=sm deq=true data=redwine data.root=../shared/data
+    python -m src.train -m loss=sm,ssm_vr deq=true,false    # a sweep: one run directory per job
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning.pytorch as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from src.callbacks.profiling import ProfilingCallback
+from src.checkpoints import AtomicCheckpointIO, check_checkpoint
+
+log = logging.getLogger(__name__)
+
+
+def write_json_atomic(path: str | Path, payload: dict) -> None:
+    """Write JSON to a temporary file in the same directory, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(payload, fh, indent=2, sort_keys=True)
+    os.replace(tmp, path)
+
+
+def _instantiate_group(group: DictConfig | None) -> list:
+    if not group:
+        return []
+    return [instantiate(conf) for conf in group.values() if isinstance(conf, DictConfig) and "_target_" in conf]
+
+
+def validate_config(cfg: DictConfig) -> None:
+    """Start-up checks that turn an impossible combination into one clear message."""
+    depth = cfg.get("depth")
+    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
+        raise ValueError(
+            f"depth={depth!r} is invalid: give a positive integer (explicit layers when deq=false, layers "
+            "inside the DEQ map f when deq=true), or leave it unset for the default (3 / 1)"
+        )
+    deq = cfg.get("deq")
+    if deq is not None and deq.get("norm_lambda") is not None and float(deq.norm_lambda) <= 1.0:
+        raise ValueError(
+            f"deq.norm_lambda={deq.norm_lambda} is invalid: it must be > 1 so that the DEQ map is a contraction "
+            "(paper §3.2: W <- W / (lambda ||W||_F)); the paper's range is about 1.5-4"
+        )
+
+
+def _output_dir(cfg: DictConfig) -> Path:
+    try:
+        return Path(cfg.paths.output_dir)
+    except Exception:  # composed without a Hydra run (tests): fall back to the trainer's root dir
+        return Path(cfg.trainer.get("default_root_dir") or ".")
+
+
+def _wandb_group(cfg: DictConfig) -> str | None:
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return None
+    if hc.mode is not None and hc.mode.name == "MULTIRUN":
+        return Path(hc.sweep.dir).name
+    return None
+
+
+def train(cfg: DictConfig) -> dict[str, Any]:
+    """Train and test one configuration; return the metrics written to ``metrics.json``."""
+    validate_config(cfg)
+    L.seed_everything(cfg.seed, workers=True)
+    out_dir = _output_dir(cfg)
+
+    datamodule: L.LightningDataModule = instantiate(cfg.data)
+    model: L.LightningModule = instantiate(cfg.model)
+    group = _wandb_group(cfg)
+    if group and cfg.get("logger") and "wandb" in cfg.logger:
+        with open_dict(cfg):
+            cfg.logger.wandb.group = group  # multirun jobs: one W&B run each, grouped by sweep
+    callbacks = _instantiate_group(cfg.get("callbacks"))
+    loggers = _instantiate_group(cfg.get("logger"))
+    trainer: L.Trainer = instantiate(
+        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]
+    )
+    for lg in loggers:
+        lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
+
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model: %s, %d parameters; output dir: %s", type(model).__name__, n_params, out_dir)
+    if cfg.get("ckpt_path"):
+        check_checkpoint(cfg.ckpt_path)  # a clear error naming a truncated/foreign file, before Lightning
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+
+    metrics: dict[str, Any] = {
+        "n_params": n_params,
+        "global_step": trainer.global_step,
+        "epochs": trainer.current_epoch,
+    }
+    for key, value in trainer.callback_metrics.items():
+        if key.startswith(("val/", "train/")) and torch.is_tensor(value) and value.numel() == 1:
+            metrics[key] = value.item()
+    for cb in callbacks:
+        if isinstance(cb, ProfilingCallback):
+            metrics.update(cb.summary)
+
+    if trainer.world_size > 1:
+        metrics.update(ddp_consistency(trainer, model))
+    if cfg.get("test", True) and trainer.is_global_zero:
+        ckpt_cb = getattr(trainer, "checkpoint_callback", None)
+        best = getattr(ckpt_cb, "best_model_path", "") if ckpt_cb is not None else ""
+        tester = trainer
+        if trainer.world_size > 1:
+            # test once, on one device, over the whole test set (not sharded across ranks)
+            tester = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, logger=False,
+                               inference_mode=False, enable_progress_bar=False, default_root_dir=str(out_dir))
+        tester.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
+        metrics.update(getattr(model, "test_results", {}))
+        metrics["tested_checkpoint"] = best or "final weights"
+    if not trainer.is_global_zero:
+        return metrics
+
+    metrics["config"] = OmegaConf.to_container(cfg, resolve=True)
+    write_json_atomic(out_dir / "metrics.json", metrics)
+    for lg in loggers:
+        if hasattr(lg, "log_metrics"):
+            lg.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
+    _print_metrics(metrics, out_dir)
+    return metrics
+
+
+def parameter_fingerprint(model: torch.nn.Module) -> float:
+    """A float64 fingerprint of all parameters (sum of |p| weighted by position), for cross-rank checks."""
+    total = torch.zeros((), dtype=torch.float64)
+    for i, p in enumerate(model.parameters()):
+        flat = p.detach().double().flatten().cpu()
+        total += (flat.abs() * torch.arange(1, flat.numel() + 1, dtype=torch.float64)).sum() * (i + 1)
+    return total.item()
+
+
+def ddp_consistency(trainer: L.Trainer, model: L.LightningModule) -> dict[str, Any]:
+    """Gather every rank's parameter fingerprint: DDP must leave identical parameters on all ranks."""
+    fp = torch.tensor([parameter_fingerprint(model)], dtype=torch.float64, device=model.device)
+    gathered = trainer.strategy.all_gather(fp).flatten().tolist()
+    return {"ddp/world_size": trainer.world_size, "ddp/param_fingerprints": gathered,
+            "ddp/ranks_identical": len(set(gathered)) == 1}
+
+
+def _print_metrics(metrics: dict, out_dir: Path) -> None:
+    rows = [(k, v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    try:
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"metrics ({out_dir / 'metrics.json'})")
+        table.add_column("metric")
+        table.add_column("value", justify="right")
+        for k, v in sorted(rows):
+            table.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
+        Console().print(table)
+    except ImportError:  # pragma: no cover
+        for k, v in sorted(rows):
+            print(f"{k}: {v}")
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def main(cfg: DictConfig) -> float | None:
+    metrics = train(cfg)
+    value = metrics.get("test/sm_loss", metrics.get("val/sm_loss"))
+    return float(value) if value is not None else None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Shared test helpers: config composition exactly as users and outside tools do it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+CONF_DIR = REPO_ROOT / "conf"
+SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
+
+# Small, fast settings every composed test run starts from (a test may add more overrides).
+FAST_MODEL = [
+    "logger=none",
+    "callbacks=minimal",
+    "model.n_inducing=16",
+    "model.evaluation.alpha_fit_points=48",
+    "model.evaluation.ll_samples=2000",
+]
+SMALL_GAUSSIAN = ["data.n_train=96", "data.n_val=32", "data.n_test=32", "data.batch_size=16"]
+FAST = [*FAST_MODEL, *SMALL_GAUSSIAN]
+
+
+def compose_train(overrides: list[str], output_dir: Path | None = None):
+    """``hydra.compose`` of conf/train.yaml with the given overrides (and a tmp output dir)."""
+    GlobalHydra.instance().clear()
+    extra = [f"paths.output_dir={output_dir}"] if output_dir is not None else []
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="train", overrides=[*overrides, *extra])
+
+
+@pytest.fixture
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"verified data sets not found at {SHARED_DATA}")
+    return SHARED_DATA

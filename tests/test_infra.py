@@ -1,0 +1,125 @@
+"""Training infrastructure: DDP, kill-and-resume, checkpoint errors, re-evaluation, sweep reports."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from src.checkpoints import CheckpointError, check_checkpoint
+from tests.conftest import FAST, REPO_ROOT
+
+# A tiny DEQ-DKEF run: a few epochs of a few steps each, checkpoint every epoch.
+RUN = [*FAST, "logger=csv", "callbacks=default", "callbacks.progress_bar=null", "trainer.max_epochs=4",
+       "data.n_train=64", "data.batch_size=16", "trainer.enable_progress_bar=false"]
+
+
+def run_train(overrides: list[str], run_dir: Path, timeout: int = 300, **popen) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "src.train", *overrides, f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "WANDB_MODE": "offline"}
+    return subprocess.run(cmd, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=timeout, **popen)
+
+
+def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+
+
+def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
+    full = tmp_path / "full"
+    res = run_train([*RUN, "seed=3"], full)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+    # start the same run, SIGKILL it once the epoch-2 checkpoint exists, then resume from last.ckpt
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "src.train", *RUN, "seed=3", "trainer.max_epochs=4", f"hydra.run.dir={killed}"]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, "WANDB_MODE": "offline"})
+    ckpt = killed / "checkpoints" / "last.ckpt"
+    deadline = time.time() + 240
+    while time.time() < deadline and proc.poll() is None:
+        if ckpt.exists():
+            try:
+                if torch.load(ckpt, map_location="cpu", weights_only=False)["epoch"] >= 1:
+                    break
+            except Exception:  # being replaced right now: try again
+                pass
+        time.sleep(0.05)
+    assert proc.poll() is None, "run finished before it could be killed: make it longer"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    interrupted_epoch = torch.load(ckpt, map_location="cpu", weights_only=False)["epoch"]
+    assert interrupted_epoch < 3
+
+    resumed = run_train([*RUN, "seed=3", f"ckpt_path={ckpt}"], killed)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    a, b = final_state(full), final_state(killed)
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6, msg=f"parameter {k} differs after resume")
+    ma = json.loads((full / "metrics.json").read_text())
+    mb = json.loads((killed / "metrics.json").read_text())
+    for key in ("test/sm_loss", "test/log_likelihood", "test/fisher_divergence"):
+        assert ma[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-6), key
+
+    # re-evaluating the finished run from its checkpoint reproduces its test metrics
+    from src.evaluate import evaluate
+
+    tested = ma["tested_checkpoint"]
+    ev = evaluate(tested)
+    for key in ("test/sm_loss", "test/log_likelihood", "test/fisher_divergence"):
+        assert ev[key] == pytest.approx(ma[key], rel=1e-6, abs=1e-6), key
+
+
+def test_corrupt_and_foreign_checkpoints_are_named(tmp_path):
+    truncated = tmp_path / "truncated.ckpt"
+    torch.save({"state_dict": {"w": torch.zeros(1000)}, "pytorch-lightning_version": "2.6"}, truncated)
+    data = truncated.read_bytes()
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match=r"truncated\.ckpt is truncated"):
+        check_checkpoint(truncated)
+    foreign = tmp_path / "foreign.ckpt"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    with pytest.raises(CheckpointError, match=r"foreign\.ckpt is not a deqsm/Lightning"):
+        check_checkpoint(foreign)
+    res = run_train([*FAST, f"ckpt_path={truncated}", "trainer.max_epochs=1"], tmp_path / "run")
+    assert res.returncode != 0 and "truncated.ckpt is truncated" in res.stderr
+
+
+def test_ddp_two_cpu_processes_end_identical(tmp_path):
+    run_dir = tmp_path / "ddp"
+    res = run_train([*FAST, "trainer=ddp_cpu", "trainer.max_epochs=2", "trainer.enable_progress_bar=false"], run_dir)
+    assert res.returncode == 0, res.stderr[-4000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert metrics["ddp/world_size"] == 2
+    fps = metrics["ddp/param_fingerprints"]
+    assert len(fps) == 2 and fps[0] == fps[1] and metrics["ddp/ranks_identical"] is True
+    assert all(k in metrics for k in ("test/sm_loss", "test/log_likelihood"))
+
+
+def test_report_over_two_sweeps(tmp_path):
+    from src.report import main as report_main
+
+    cmd = [sys.executable, "-m", "src.train", "-m", *FAST, "trainer.max_epochs=1", "deq=false", "depth=1,2",
+           "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep_a'}"]
+    res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    cmd = [sys.executable, "-m", "src.train", "-m", *FAST, "trainer.max_epochs=1", "deq=true", "seed=0,1",
+           f"hydra.sweep.dir={tmp_path / 'sweep_b'}"]
+    res = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert len(list((tmp_path / "sweep_a").rglob("metrics.json"))) == 4
+    report = report_main([str(tmp_path / "sweep_a"), str(tmp_path / "sweep_b"), "--out", str(tmp_path / "rep")])
+    assert report["n_jobs"] == 6
+    # grouped by the swept keys, seeds averaged: depth=1, depth=2 (deq=false) and deq=true
+    assert len(report["rows"]) == 3 and all(r["n_seeds"] == 2 for r in report["rows"])
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "± " in md and "test SM loss" in md
+    for png in ("memory_vs_depth.png", "test_loss_vs_wall_time.png"):
+        assert (tmp_path / "rep" / png).stat().st_size > 1000

@@ -1,0 +1,94 @@
+"""End-to-end: configs compose, instantiate, and train through `fast_dev_run` for every combination."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from hydra.utils import instantiate
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError
+
+from src.train import train
+from tests.conftest import FAST, FAST_MODEL, compose_train
+
+LOSSES = ["sm", "ssm", "ssm_vr", "dsm", "cp"]
+
+
+@pytest.mark.parametrize("deq", ["true", "false"])
+@pytest.mark.parametrize("loss", LOSSES)
+def test_fast_dev_run_every_loss_and_deq(tmp_path, loss, deq):
+    cfg = compose_train([*FAST, "model=dkef", f"loss={loss}", f"deq={deq}", "trainer.fast_dev_run=true"], tmp_path)
+    metrics = train(cfg)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("test/sm_loss", "test/log_likelihood", "test/fisher_divergence", "n_params"):
+        assert key in saved and math.isfinite(saved[key]), key
+    assert saved["profile/saved_bytes_mean"] > 0
+    if deq == "true":
+        assert saved["profile/deq_iterations_mean"] >= 1
+    # ground truth of N(0, I_10): mean log-density of the test points is about -D/2 (1 + log 2π) = -14.19
+    assert -20 < saved["test/true_log_likelihood"] < -9
+    assert metrics["n_params"] == saved["n_params"]
+
+
+def test_instantiate_gives_lightning_objects(tmp_path):
+    import lightning.pytorch as L
+
+    cfg = compose_train([*FAST, "deq=false", "depth=16"], tmp_path)
+    model = instantiate(cfg.model)
+    dm = instantiate(cfg.data)
+    assert isinstance(model, L.LightningModule) and isinstance(dm, L.LightningDataModule)
+    # 16 dense layers per kernel feature net (3 kernels): 15 hidden Linear + readout + skip each
+    n_linear = sum(1 for m in model.modules() if m.__class__.__name__ == "Linear")
+    assert n_linear == 3 * 17
+
+
+def test_depth_means_layers_inside_f_when_deq(tmp_path):
+    cfg = compose_train([*FAST, "deq=true", "depth=2"], tmp_path)
+    model = instantiate(cfg.model)
+    blocks = [m for m in model.modules() if m.__class__.__name__ == "DenseDEQBlock"]
+    assert len(blocks) == 3 and all(b.n_layers == 2 for b in blocks)
+
+
+@pytest.mark.parametrize(
+    "override, exc",
+    [
+        (["not_a_key=1"], ConfigCompositionException),
+        (["model=not_a_model"], ConfigCompositionException),
+        (["deq.not_a_key=1"], (ConfigCompositionException, ConfigKeyError, ConfigAttributeError)),
+    ],
+)
+def test_bad_overrides_are_rejected(tmp_path, override, exc):
+    with pytest.raises(exc):
+        compose_train([*FAST, *override], tmp_path)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("depth=0", "depth=0 is invalid"),
+        ("deq.norm_lambda=1.0", "deq.norm_lambda=1.0 is invalid"),
+        ("deq.norm_lambda=0.5", "must be > 1"),
+    ],
+)
+def test_invalid_values_fail_at_start_up(tmp_path, override, message):
+    cfg = compose_train([*FAST, override, "trainer.fast_dev_run=true"], tmp_path)
+    with pytest.raises(ValueError, match=message):
+        train(cfg)
+    assert not (tmp_path / "metrics.json").exists()
+
+
+def test_mle_with_dkef_fails_clearly(tmp_path):
+    cfg = compose_train([*FAST, "loss=mle", "trainer.fast_dev_run=true"], tmp_path)
+    with pytest.raises(ValueError, match="tractable likelihood"):
+        train(cfg)
+
+
+def test_missing_data_file_error_names_file(tmp_path):
+    cfg = compose_train(
+        [*FAST_MODEL, "data=redwine", f"data.root={tmp_path}/nowhere", "data.download=false", "trainer.fast_dev_run=true"],
+        tmp_path,
+    )
+    with pytest.raises(FileNotFoundError, match="winequality-red.csv"):
+        train(cfg)
