@@ -18,6 +18,7 @@ import hydra
 import lightning.pytorch as L
 import torch
 from hydra.core.hydra_config import HydraConfig
+from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -37,10 +38,21 @@ def write_json_atomic(path: str | Path, payload: dict) -> None:
     os.replace(tmp, path)
 
 
+def build(conf: DictConfig, **kwargs):
+    """``hydra.utils.instantiate``, but a user error inside the target (a bad value, a missing file) is
+    re-raised as itself, so the message the user reads is ours rather than Hydra's wrapper."""
+    try:
+        return instantiate(conf, **kwargs)
+    except InstantiationException as exc:
+        if isinstance(exc.__cause__, (ValueError, FileNotFoundError, TypeError)):
+            raise exc.__cause__ from None
+        raise
+
+
 def _instantiate_group(group: DictConfig | None) -> list:
     if not group:
         return []
-    return [instantiate(conf) for conf in group.values() if isinstance(conf, DictConfig) and "_target_" in conf]
+    return [build(conf) for conf in group.values() if isinstance(conf, DictConfig) and "_target_" in conf]
 
 
 def validate_config(cfg: DictConfig) -> None:
@@ -82,8 +94,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     L.seed_everything(cfg.seed, workers=True)
     out_dir = _output_dir(cfg)
 
-    datamodule: L.LightningDataModule = instantiate(cfg.data)
-    model: L.LightningModule = instantiate(cfg.model)
+    datamodule: L.LightningDataModule = build(cfg.data)
+    model: L.LightningModule = build(cfg.model)
     group = _wandb_group(cfg)
     if group and cfg.get("logger") and "wandb" in cfg.logger:
         with open_dict(cfg):

@@ -129,6 +129,41 @@ def test_deq_factory_is_picklable_without_importing_deq():
     assert (g.width, g.n_layers, g.deq_config) == (12, 2, {"enabled": True, "tol": 1e-6})
 
 
+def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
+    """The factory builds Sequential(DenseDEQBlock(in, width, n_layers, injection, config, name), Linear(width, out))
+    with the announced src.deq API (a stand-in here, so this runs whether or not src/deq is written)."""
+    import dataclasses
+    import sys
+    import types
+
+    @dataclasses.dataclass
+    class DEQConfig:
+        tol: float = 1e-5
+        max_iter: int = 128
+
+    class DenseDEQBlock(nn.Module):
+        def __init__(self, in_dim, width, n_layers=1, injection=None, config=None, name="deq"):
+            super().__init__()
+            self.args = (in_dim, width, n_layers, config, name)
+            self.injection = injection
+
+        def forward(self, x):
+            return self.injection(x)
+
+    monkeypatch.setitem(sys.modules, "src.deq.block", types.SimpleNamespace(DenseDEQBlock=DenseDEQBlock))
+    monkeypatch.setitem(sys.modules, "src.deq.config", types.SimpleNamespace(DEQConfig=DEQConfig))
+    model = NICE(dim=9, coupling_net=deq_coupling_factory(6, {"enabled": True, "tol": 1e-9}, n_layers=2)).double()
+    assert [m[0].args for m in model.couplings] == [
+        (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.0"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.1"),
+        (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.2"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.3"),
+    ]
+    first = model.couplings[0]
+    assert [type(m).__name__ for m in first[0].injection] == ["Linear", "Softplus"]  # g = Softplus(Ux + c)
+    assert (first[1].in_features, first[1].out_features) == (6, 4)
+    x = torch.randn(3, 9, dtype=torch.float64)
+    assert (model.inverse(model(x)) - x).abs().max().item() < 1e-12
+
+
 DEQ_EXISTS = (Path(__file__).resolve().parents[1] / "src" / "deq" / "block.py").is_file()
 
 

@@ -17,7 +17,7 @@ labels are tiled to match (copy-major). Pass ``condition=`` to build the conditi
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -32,6 +32,7 @@ class LabelConditioned:
     def __init__(self, model, labels: Tensor):
         self.model = model
         self.labels = labels
+        self.supports_torch_func = bool(getattr(model, "supports_torch_func", False))
         if has_score(model):
             self.score = self._score
         if has_log_density(model):

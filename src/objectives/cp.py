@@ -47,8 +47,8 @@ Unknown ops are refused rather than guessed, so the list errs on the side of rai
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import Tensor
@@ -68,32 +68,166 @@ from .base import (
 _MARK = "_deqsm_cp_depends_on_x"
 
 _AFFINE = frozenset(
-    """
-    add sub rsub neg negative positive sum mean nansum cumsum trace diagonal diag diag_embed tril triu
-    view view_as reshape reshape_as flatten unflatten squeeze unsqueeze permute transpose swapaxes swapdims
-    t T mT movedim moveaxis expand expand_as broadcast_to repeat repeat_interleave tile cat concat
-    concatenate stack hstack vstack dstack split split_with_sizes tensor_split chunk unbind narrow select
-    index_select gather take_along_dim getitem setitem clone contiguous to type double float half bfloat16
-    cpu cuda flip fliplr flipud roll rot90 pad avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d
-    adaptive_avg_pool2d adaptive_avg_pool3d interpolate upsample pixel_shuffle pixel_unshuffle unfold fold
-    real requires_grad_ masked_select
-    relu relu6 leaky_relu hardtanh abs absolute clamp clip clamp_min clamp_max max min amax amin maximum
-    minimum fmax fmin max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices
-    max_pool3d_with_indices adaptive_max_pool1d adaptive_max_pool2d where masked_fill threshold sort topk
-    dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout
-    """.split()
+    [
+        "add",
+        "sub",
+        "rsub",
+        "neg",
+        "negative",
+        "positive",
+        "sum",
+        "mean",
+        "nansum",
+        "cumsum",
+        "trace",
+        "diagonal",
+        "diag",
+        "diag_embed",
+        "tril",
+        "triu",
+        "view",
+        "view_as",
+        "reshape",
+        "reshape_as",
+        "flatten",
+        "unflatten",
+        "squeeze",
+        "unsqueeze",
+        "permute",
+        "transpose",
+        "swapaxes",
+        "swapdims",
+        "t",
+        "T",
+        "mT",
+        "movedim",
+        "moveaxis",
+        "expand",
+        "expand_as",
+        "broadcast_to",
+        "repeat",
+        "repeat_interleave",
+        "tile",
+        "cat",
+        "concat",
+        "concatenate",
+        "stack",
+        "hstack",
+        "vstack",
+        "dstack",
+        "split",
+        "split_with_sizes",
+        "tensor_split",
+        "chunk",
+        "unbind",
+        "narrow",
+        "select",
+        "index_select",
+        "gather",
+        "take_along_dim",
+        "getitem",
+        "setitem",
+        "clone",
+        "contiguous",
+        "to",
+        "type",
+        "double",
+        "float",
+        "half",
+        "bfloat16",
+        "cpu",
+        "cuda",
+        "flip",
+        "fliplr",
+        "flipud",
+        "roll",
+        "rot90",
+        "pad",
+        "avg_pool1d",
+        "avg_pool2d",
+        "avg_pool3d",
+        "adaptive_avg_pool1d",
+        "adaptive_avg_pool2d",
+        "adaptive_avg_pool3d",
+        "interpolate",
+        "upsample",
+        "pixel_shuffle",
+        "pixel_unshuffle",
+        "unfold",
+        "fold",
+        "real",
+        "requires_grad_",
+        "masked_select",
+        "relu",
+        "relu6",
+        "leaky_relu",
+        "hardtanh",
+        "abs",
+        "absolute",
+        "clamp",
+        "clip",
+        "clamp_min",
+        "clamp_max",
+        "max",
+        "min",
+        "amax",
+        "amin",
+        "maximum",
+        "minimum",
+        "fmax",
+        "fmin",
+        "max_pool1d",
+        "max_pool2d",
+        "max_pool3d",
+        "max_pool1d_with_indices",
+        "max_pool2d_with_indices",
+        "max_pool3d_with_indices",
+        "adaptive_max_pool1d",
+        "adaptive_max_pool2d",
+        "where",
+        "masked_fill",
+        "threshold",
+        "sort",
+        "topk",
+        "dropout",
+        "dropout1d",
+        "dropout2d",
+        "dropout3d",
+        "alpha_dropout",
+        "feature_alpha_dropout",
+    ]
 )
 # multilinear: affine in each operand; at most one operand may depend on x
 _MULTILINEAR = frozenset(
-    """
-    mul multiply matmul mm bmm mv dot vdot inner outer ger linear bilinear einsum tensordot kron
-    conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
-    """.split()
+    [
+        "mul",
+        "multiply",
+        "matmul",
+        "mm",
+        "bmm",
+        "mv",
+        "dot",
+        "vdot",
+        "inner",
+        "outer",
+        "ger",
+        "linear",
+        "bilinear",
+        "einsum",
+        "tensordot",
+        "kron",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+    ]
 )
 # first operand is added, the rest multiplied together
-_ADD_MULTILINEAR = frozenset("addmm addmv addbmm baddbmm addr addcmul".split())
-_DIV = frozenset("div divide true_divide".split())
-_REFLECTED = frozenset("add sub mul div truediv matmul pow".split())
+_ADD_MULTILINEAR = frozenset(["addmm", "addmv", "addbmm", "baddbmm", "addr", "addcmul"])
+_DIV = frozenset(["div", "divide", "true_divide"])
+_REFLECTED = frozenset(["add", "sub", "mul", "div", "truediv", "matmul", "pow"])
 
 
 # -------------------------------------------------------------------------------- second derivatives
@@ -276,16 +410,18 @@ class CurvatureRecorder(TorchFunctionMode):
         self.records.append(CurvatureRecord(op, u, a, sd, u._version, a._version))
 
     def _classify(self, name, core, in_place, reflected, args, kwargs, out, dep):
-        if kwargs.get("inplace", False) or in_place:
-            if core not in _AFFINE and core not in _MULTILINEAR and core not in _DIV:
-                raise NotImplementedError(
-                    f"cp: in-place nonlinear op '{name}' on a tensor that depends on x; use the out-of-place form"
-                )
+        linear_kinds = _AFFINE | _MULTILINEAR | _ADD_MULTILINEAR | _DIV
+        if (kwargs.get("inplace", False) or in_place) and core not in linear_kinds:
+            raise NotImplementedError(
+                f"cp: in-place nonlinear op '{name}' on a tensor that depends on x; use the out-of-place form"
+            )
         if core in _AFFINE:
             return
         if core in _MULTILINEAR or core in _ADD_MULTILINEAR:
             operands = [t for t in tree_flatten(list(args[1:] if core in _ADD_MULTILINEAR else args))[0]]
-            operands += [t for k, t in kwargs.items() if k in ("other", "input", "weight", "tensor1", "tensor2")]
+            operands += [
+                t for k, t in kwargs.items() if k in ("other", "input", "weight", "tensor1", "tensor2")
+            ]
             dep_ops = [t for t in operands if self.depends(t)]
             if core in ("mul", "multiply") and len(args) >= 2 and args[0] is args[1] and not in_place:
                 self._record("square", args[0], out, _ELEMENTWISE["square"])
@@ -297,12 +433,18 @@ class CurvatureRecorder(TorchFunctionMode):
                     "ops (e.g. x * x -> x ** 2) or use sm / ssm_vr"
                 )
             return
-        if core in _DIV or core == "truediv":
-            num, den = (args[1], args[0]) if reflected else (args[0], args[1] if len(args) > 1 else kwargs.get("other"))
+        if core in _DIV:
+            num, den = (
+                (args[1], args[0])
+                if reflected
+                else (args[0], args[1] if len(args) > 1 else kwargs.get("other"))
+            )
             if not self.depends(den):
                 return  # division by a constant: affine
             if self.depends(num):
-                raise NotImplementedError(f"cp: '{name}' with x-dependent numerator and denominator is not supported")
+                raise NotImplementedError(
+                    f"cp: '{name}' with x-dependent numerator and denominator is not supported"
+                )
             if kwargs.get("rounding_mode") is not None:
                 raise NotImplementedError(f"cp: '{name}' with rounding_mode is not supported")
             self._record("c/u", den, out, _sd_scaled_reciprocal(num))
@@ -367,6 +509,12 @@ def curvature_terms(model, x: Tensor, create_graph: bool = True):
     if logp.requires_grad:
         _check_no_custom_function(logp)
     records = rec.records
+    for r in records:
+        if r.u._version != r.u_version or r.a._version != r.a_version:
+            raise NotImplementedError(
+                f"cp: the input or output of '{r.op}' was modified in place after it was recorded; "
+                "avoid in-place ops in log_density"
+            )
     if not logp.requires_grad:
         z = torch.zeros_like(flat(xl))
         return xl, z, [], []
@@ -378,12 +526,6 @@ def curvature_terms(model, x: Tensor, create_graph: bool = True):
         allow_unused=True,
         materialize_grads=True,
     )
-    for r in records:
-        if r.u._version != r.u_version or r.a._version != r.a_version:
-            raise NotImplementedError(
-                f"cp: the input or output of '{r.op}' was modified in place after it was recorded; "
-                "avoid in-place ops in log_density"
-            )
     curv = [g_a * r.second_derivative(r.u, r.a) for g_a, r in zip(grads[1:], records)]
     return xl, flat(grads[0]), records, curv
 
@@ -421,19 +563,34 @@ def cp(
         sq_pos = [_sqrt_pos(m) for m in curv]
         sq_neg = [_sqrt_pos(-m) for m in curv]
         for _ in range(n_samples):
-            vs = [torch.randint(0, 2, m.shape, generator=generator, device=m.device).to(m.dtype) * 2 - 1 for m in curv]
+            vs = [
+                torch.randint(0, 2, m.shape, generator=generator, device=m.device).to(m.dtype) * 2 - 1
+                for m in curv
+            ]
             (s_r,) = torch.autograd.grad(
-                us, xl, [w * v for w, v in zip(sq_pos, vs)], create_graph=create_graph, retain_graph=True,
-                allow_unused=True, materialize_grads=True,
+                us,
+                xl,
+                [w * v for w, v in zip(sq_pos, vs)],
+                create_graph=create_graph,
+                retain_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
             )
             (s_i,) = torch.autograd.grad(
-                us, xl, [w * v for w, v in zip(sq_neg, vs)], create_graph=create_graph, retain_graph=True,
-                allow_unused=True, materialize_grads=True,
+                us,
+                xl,
+                [w * v for w, v in zip(sq_neg, vs)],
+                create_graph=create_graph,
+                retain_graph=True,
+                allow_unused=True,
+                materialize_grads=True,
             )
             trace = trace + (flat(s_r) ** 2 - flat(s_i) ** 2).sum(-1)
         trace = trace / n_samples
     score_norm = 0.5 * (s**2).sum(-1)
-    return finalize(score_norm + trace, {"score_norm": score_norm.mean(), "trace": trace.mean()}, create_graph)
+    return finalize(
+        score_norm + trace, {"score_norm": score_norm.mean(), "trace": trace.mean()}, create_graph
+    )
 
 
-__all__ = ["cp", "CurvatureRecorder", "CurvatureRecord", "curvature_terms"]
+__all__ = ["CurvatureRecord", "CurvatureRecorder", "cp", "curvature_terms"]

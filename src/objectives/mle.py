@@ -15,7 +15,7 @@ def mle(model, x: Tensor, *, create_graph: bool = True, **_) -> ObjectiveOutput:
     With ``create_graph=False`` the values are detached. Part: ``nll`` (mean −log p).
     """
     if not callable(getattr(model, "log_likelihood", None)):
-        raise ValueError(
+        raise ValueError(  # noqa: TRY004 (a config error: loss=mle with the wrong model)
             "loss=mle needs a model with a tractable likelihood (e.g. model=nice); "
             f"{type(model).__name__} has none"
         )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 from .base import ObjectiveOutput, check_positive_int, check_projection, check_sigma
 from .conditional import noise_conditional
@@ -63,9 +63,9 @@ def get_objective(name: str, **kwargs) -> Callable[..., ObjectiveOutput]:
     allowed = _accepted(fn) - {"v", "eps", "generator"}
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
+        valid = sorted(allowed) + ([] if name == "mle" else ["sigmas", "anneal_power"])
         raise ValueError(
-            f"objective {name!r} got unknown argument(s) {unknown}; it accepts: "
-            f"{', '.join(sorted(allowed | {'sigmas', 'anneal_power'} - ({'sigmas', 'anneal_power'} if name == 'mle' else set())))}"
+            f"objective {name!r} got unknown argument(s) {unknown}; it accepts: {', '.join(valid)}"
         )
     for key, value in kwargs.items():
         if key in _VALIDATORS:

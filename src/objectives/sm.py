@@ -21,15 +21,24 @@ routes compute the same numbers (agreement to ~1e-15 in float64; identical param
                  vmap rule, no ``.item()``/data-dependent control flow).
 ``"batched"``    one ``torch.autograd.grad(..., is_grads_batched=True)`` (the DEQ authors' route); same
                  limitation as ``"func"``.
-``"auto"``       ``"replicate"`` on CUDA, ``"loop"`` on CPU.
+``"auto"``       ``"func"`` when the model declares ``supports_torch_func = True`` (an explicit network
+                 that torch.func can transform); otherwise ``"replicate"`` on CUDA and ``"loop"`` on CPU.
 
-Measured on one CPU thread (``benchmarks/results/objectives.md``, float64, batch 128, one full training
-step = forward + loss + backward to the parameters): on a DKEF-sized MLP energy (hidden 30) the loop,
-replicate and func routes are within a factor ~1.5 of each other at every D; replicate was the fastest on
-the small net while the loop was as fast or faster on the NICE-sized net (hidden 1000), where replicating
-also multiplies the memory by D. So ``"auto"`` keeps the loop on CPU (constant memory per pass, no
-assumption on the model) and replicates on CUDA, where one large batched pass replaces D small serial
-ones (see the CUDA table in the same file).
+Measured (``benchmarks/results/objectives.md``; float32, one training step = objective + backward to the
+parameters; MLP energies with Softplus, DKEF-sized = hidden 30 × 3 layers at batch 128, NICE-sized = hidden
+1000 × 5 layers at batch 16 on CPU / 128 on CUDA; all routes agree to ≤1e-12 in float64):
+
+* one CPU thread: ``func`` is the fastest route on explicit MLPs (1.3–3.5× faster than the loop, e.g.
+  DKEF-sized D=100: 34 vs 119 ms; NICE-sized D=200: 1.75 vs 3.9 s), except DKEF-sized D=784 (1.5 vs
+  1.2 s). ``replicate`` is no faster than the loop on CPU (and 6× slower at D=784, memory bound);
+  ``batched`` sits between.
+* H100: the loop is serial and slow (DKEF-sized D=784: 2.9 s; NICE-sized D=784: 4.8 s), while
+  ``replicate`` (14 ms; 328 ms) and ``func`` (13 ms; 160 ms, half the memory of replicate) are 30–200×
+  faster; ``batched`` is 5–10× slower than those two.
+
+Hence ``"auto"``: ``func`` where the model says torch.func works, otherwise the route that works through
+anything twice differentiable (the implicit DEQ included): ``replicate`` on CUDA, the loop on CPU (where
+replicating does not pay and multiplies the memory by D).
 """
 
 from __future__ import annotations
@@ -58,10 +67,13 @@ def check_trace_route(route: str) -> str:
     return route
 
 
-def resolve_trace_route(route: str, device: torch.device) -> str:
+def resolve_trace_route(route: str, device: torch.device, model=None) -> str:
+    """The concrete route for ``route`` ("auto" resolved; see the module docstring)."""
     check_trace_route(route)
     if route != "auto":
         return route
+    if getattr(model, "supports_torch_func", False):
+        return "func"
     return "replicate" if torch.device(device).type == "cuda" else "loop"
 
 
@@ -85,8 +97,14 @@ def _trace_batched(model, x, create_graph):
     eye = torch.eye(D, dtype=s.dtype, device=s.device).unsqueeze(1).expand(D, B, D)
     try:
         (h,) = torch.autograd.grad(
-            s, xl, grad_outputs=eye, is_grads_batched=True, create_graph=create_graph, retain_graph=True,
-            allow_unused=True, materialize_grads=True,
+            s,
+            xl,
+            grad_outputs=eye,
+            is_grads_batched=True,
+            create_graph=create_graph,
+            retain_graph=True,
+            allow_unused=True,
+            materialize_grads=True,
         )
     except RuntimeError as err:
         raise RuntimeError(
@@ -98,12 +116,18 @@ def _trace_batched(model, x, create_graph):
 
 def _replicate(x: Tensor, k: int) -> Tensor:
     """``[B, ...] -> [k·B, ...]``, copy-major (row c·B + b is copy c of sample b), as a fresh leaf."""
-    return x.detach().unsqueeze(0).expand(k, *x.shape).reshape(k * x.shape[0], *x.shape[1:]).requires_grad_(True)
+    return (
+        x.detach().unsqueeze(0).expand(k, *x.shape).reshape(k * x.shape[0], *x.shape[1:]).requires_grad_(True)
+    )
 
 
 def _trace_replicate(model, x, create_graph, max_copies_per_pass):
     B, D = x.shape[0], x[0].numel()
-    per_pass = D if max_copies_per_pass is None else min(D, check_positive_int("max_copies_per_pass", max_copies_per_pass))
+    per_pass = (
+        D
+        if max_copies_per_pass is None
+        else min(D, check_positive_int("max_copies_per_pass", max_copies_per_pass))
+    )
     s0 = None
     tr = 0.0
     for start in range(0, D, per_pass):
@@ -152,10 +176,15 @@ def _trace_func(model, x, create_graph):
 
 
 def hessian_trace(
-    model, x: Tensor, *, trace_route: str = "auto", create_graph: bool = True, max_copies_per_pass: int | None = None
+    model,
+    x: Tensor,
+    *,
+    trace_route: str = "auto",
+    create_graph: bool = True,
+    max_copies_per_pass: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Score and exact trace ``tr ∇ₓ s(x)`` per sample: ``(s [B, D], tr [B])``. See the module docstring."""
-    route = resolve_trace_route(trace_route, x.device)
+    route = resolve_trace_route(trace_route, x.device, model)
     if route == "loop":
         return _trace_loop(model, x, create_graph)
     if route == "replicate":

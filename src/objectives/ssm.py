@@ -36,7 +36,11 @@ def _sliced(model, x, n_projections, projection, create_graph, v, generator):
     check_projection(projection)
     xl = make_leaf(x)
     s = flat(compute_score(model, xl, create_graph=True))
-    v = draw_projections(n_projections, s, projection, generator) if v is None else as_projections(v, n_projections, x)
+    v = (
+        draw_projections(n_projections, s, projection, generator)
+        if v is None
+        else as_projections(v, n_projections, x)
+    )
     proj_sq = torch.zeros(s.shape[0], dtype=s.dtype, device=s.device)
     quad = torch.zeros_like(proj_sq)
     for m in range(n_projections):

@@ -1,0 +1,194 @@
+"""Forward-solver benchmark: iterations and wall time to tolerance for picard, anderson and broyden.
+
+    python benchmarks/deq_solvers.py [--root ../shared/data] [--train-steps 150] [--tol 1e-5]
+
+Two blocks:
+- a *trained* DKEF feature block (DEQ-DKEF trained with exact SM on RedWine for ``--train-steps`` steps);
+- a NICE-sized block (in 392 → width 1000, as one coupling of DEQ-NICE), on MNIST logit-space halves.
+Each solver is run cold (z0 = 0) and warm-started in two ways: from the previous batch's fixed point
+("warm: previous batch"), and from the same samples' fixed point before one optimiser step ("warm: same
+samples, after a step" — the by-sample-index warm start of training). Results go to
+``benchmarks/results/deq_solvers.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from src.data.datamodules import UCIDataModule  # noqa: E402
+from src.deq.block import DenseDEQBlock  # noqa: E402
+from src.deq.solvers import solve  # noqa: E402
+from src.models.dkef import DKEF  # noqa: E402
+from src.objectives.sm import sm  # noqa: E402
+
+SOLVERS = ("picard", "anderson", "broyden")
+
+
+class _WithAlpha:
+    def __init__(self, dkef, alpha):
+        self.dkef, self.alpha = dkef, alpha
+
+    def log_density(self, x):
+        return self.dkef.log_density(x, alpha=self.alpha)
+
+
+def block_map(block: DenseDEQBlock, x: torch.Tensor):
+    """The block's fixed-point map z -> f(z; x) with the input injection computed once."""
+    with torch.no_grad():
+        return block.fixed_point_map(x)
+
+
+def time_solve(f, z0, method: str, tol: float, max_iter: int, repeats: int = 3):
+    best, res = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = solve(f, z0, method=method, tol=tol, max_iter=max_iter, stop_mode="abs")
+        best = min(best, time.perf_counter() - t0)
+    return res, best
+
+
+def bench_block(name: str, block: DenseDEQBlock, batches: list[torch.Tensor], step_fn, tol: float, max_iter: int):
+    rows = []
+    for method in SOLVERS:
+        cold_it, cold_t, prev_it, prev_t, same_it, same_t = [], [], [], [], [], []
+        z_prev = None
+        for x in batches:
+            f = block_map(block, x)
+            z0 = torch.zeros(x.shape[0], block.width)
+            r, t = time_solve(f, z0, method, tol, max_iter)
+            cold_it.append(r.iterations)
+            cold_t.append(t)
+            if z_prev is not None and z_prev.shape == z0.shape:
+                r2, t2 = time_solve(f, z_prev, method, tol, max_iter)
+                prev_it.append(r2.iterations)
+                prev_t.append(t2)
+            z_prev = r.z
+            # same samples after one optimiser step: the old fixed point is the start
+            if step_fn is not None:
+                saved = {k: v.clone() for k, v in block.state_dict().items()}
+                step_fn(x)
+                f_new = block_map(block, x)
+                r3, t3 = time_solve(f_new, r.z, method, tol, max_iter)
+                same_it.append(r3.iterations)
+                same_t.append(t3)
+                block.load_state_dict(saved)
+
+        def avg(v):
+            return sum(v) / len(v) if v else float("nan")
+
+        rows.append({
+            "block": name, "solver": method,
+            "cold_iters": avg(cold_it), "cold_ms": 1e3 * avg(cold_t),
+            "warm_prev_batch_iters": avg(prev_it), "warm_prev_batch_ms": 1e3 * avg(prev_t),
+            "warm_same_samples_iters": avg(same_it), "warm_same_samples_ms": 1e3 * avg(same_t),
+        })
+    return rows
+
+
+def trained_dkef_block(root: str, steps: int, seed: int):
+    torch.manual_seed(seed)
+    dm = UCIDataModule("redwine", root, batch_size=128)
+    dm.setup("fit")
+    deq = {"enabled": True, "solver": "picard", "tol": 1e-5, "max_iter": 128, "phantom_steps": 2,
+           "warm_start": True, "norm_lambda": 2.0}
+    model = DKEF(dm.dim, deq=deq, depth=1)
+    with torch.no_grad():
+        model.inducing.copy_(dm.train_data[torch.randperm(dm.train_data.shape[0])[:200]])
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-12)
+    done = 0
+    while done < steps:
+        for x in dm.train_dataloader():
+            if done >= steps:
+                break
+            half = x.shape[0] // 2
+            alpha = model.fit_alpha(x[:half], "exact")
+            loss = sm(_WithAlpha(model, alpha), x[half:]).loss
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            done += 1
+    block = model.features[0].block
+    batches = list(dm.test_data.split(128))[:4]
+
+    def step_fn(x):
+        # one optimiser step of the whole model on x, then the block has new weights
+        half = x.shape[0] // 2
+        alpha = model.fit_alpha(x[:half], "exact")
+        loss = sm(_WithAlpha(model, alpha), x[half:]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+    return block, batches, step_fn
+
+
+def nice_block(root: str, seed: int):
+    torch.manual_seed(seed)
+    from src.data.mnist import MNISTDataModule
+
+    deq = __import__("src.deq.config", fromlist=["DEQConfig"]).DEQConfig(norm_lambda=2.0)
+    injection = torch.nn.Sequential(torch.nn.Linear(392, 1000), torch.nn.Softplus())
+    block = DenseDEQBlock(392, 1000, injection=injection, config=deq, name="nice-sized")
+    dm = MNISTDataModule(root, limit=2000)
+    dm.setup("fit")
+    x = dm.test_data[:, ::2][: 4 * 128]
+    batches = list(x.split(128))
+    opt = torch.optim.Adam(block.parameters(), lr=1e-3)
+
+    def step_fn(xb):
+        out = block(xb).pow(2).mean()
+        opt.zero_grad()
+        out.backward()
+        opt.step()
+
+    return block, batches, step_fn
+
+
+def to_markdown(rows, meta) -> str:
+    head = ("| block | solver | cold iters | cold ms | warm (prev batch) iters | ms | warm (same samples, after a step) "
+            "iters | ms |\n|---|---|---|---|---|---|---|---|\n")
+    body = "".join(
+        f"| {r['block']} | {r['solver']} | {r['cold_iters']:.1f} | {r['cold_ms']:.1f} | {r['warm_prev_batch_iters']:.1f} | "
+        f"{r['warm_prev_batch_ms']:.1f} | {r['warm_same_samples_iters']:.1f} | {r['warm_same_samples_ms']:.1f} |\n"
+        for r in rows
+    )
+    return f"Tolerance {meta['tol']} (absolute, per sample), {meta['threads']} CPU thread(s), {meta['machine']}.\n\n" + head + body
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--root", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--train-steps", type=int, default=150)
+    p.add_argument("--tol", type=float, default=1e-5)
+    p.add_argument("--max-iter", type=int, default=500)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    block, batches, step_fn = trained_dkef_block(args.root, args.train_steps, args.seed)
+    rows += bench_block("DKEF (trained, width 64)", block, batches, step_fn, args.tol, args.max_iter)
+    block, batches, step_fn = nice_block(args.root, args.seed)
+    rows += bench_block("NICE-sized (width 1000)", block, batches, step_fn, args.tol, args.max_iter)
+    meta = {"tol": args.tol, "threads": args.threads, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
+            "torch": torch.__version__, "command": "python benchmarks/deq_solvers.py " + " ".join(argv or sys.argv[1:])}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "deq_solvers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    md = to_markdown(rows, meta)
+    (args.out / "deq_solvers.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
