@@ -1,0 +1,1 @@
+"""The shared DEQ block: solvers, phantom and implicit backward, Frobenius normalisation (pure torch)."""

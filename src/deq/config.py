@@ -1,0 +1,47 @@
+"""Configuration of a DEQ block: solver, tolerances, backward mode (paper §3.2–3.4, Alg. 1)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+SOLVERS = ("picard", "anderson", "broyden")
+BACKWARDS = ("phantom", "implicit")
+STOP_MODES = ("abs", "rel")
+
+
+@dataclass
+class DEQConfig:
+    solver: str = "picard"
+    tol: float = 1e-5
+    stop_mode: str = "abs"
+    max_iter: int = 128
+    phantom_steps: int = 2
+    warm_start: bool = True
+    norm_lambda: float = 2.0
+    backward: str = "phantom"
+    anderson_m: int = 5
+    anderson_beta: float = 1.0
+
+    def __post_init__(self):
+        if self.solver not in SOLVERS:
+            raise ValueError(f"deq.solver={self.solver!r} is unknown; valid: {', '.join(SOLVERS)}")
+        if self.backward not in BACKWARDS:
+            raise ValueError(f"deq.backward={self.backward!r} is unknown; valid: {', '.join(BACKWARDS)}")
+        if self.stop_mode not in STOP_MODES:
+            raise ValueError(f"deq.stop_mode={self.stop_mode!r} is unknown; valid: {', '.join(STOP_MODES)}")
+        if float(self.norm_lambda) <= 1.0:
+            raise ValueError(
+                f"deq.norm_lambda={self.norm_lambda} is invalid: it must be > 1 so that the DEQ map is a "
+                "contraction (paper §3.2: W <- W / (lambda ||W||_F))"
+            )
+        if int(self.max_iter) < 1:
+            raise ValueError(f"deq.max_iter must be >= 1, got {self.max_iter}")
+        if int(self.phantom_steps) < 1:
+            raise ValueError(f"deq.phantom_steps must be >= 1 (K of Alg. 1), got {self.phantom_steps}")
+        if float(self.tol) < 0:
+            raise ValueError(f"deq.tol must be >= 0, got {self.tol}")
+        if int(self.anderson_m) < 1:
+            raise ValueError(f"deq.anderson_m must be >= 1, got {self.anderson_m}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
