@@ -54,6 +54,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 torch.save(checkpoint, fh)
                 fh.flush()
                 os.fsync(fh.fileno())
+            os.chmod(tmp, 0o644)
             os.replace(tmp, path)
         except BaseException:
             Path(tmp).unlink(missing_ok=True)

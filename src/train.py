@@ -35,6 +35,7 @@ def write_json_atomic(path: str | Path, payload: dict) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     with os.fdopen(fd, "w") as fh:
         json.dump(payload, fh, indent=2, sort_keys=True)
+    os.chmod(tmp, 0o644)
     os.replace(tmp, path)
 
 

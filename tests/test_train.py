@@ -32,6 +32,24 @@ def test_fast_dev_run_every_loss_and_deq(tmp_path, loss, deq):
     assert metrics["n_params"] == saved["n_params"]
 
 
+NICE_FAST = ["logger=none", "callbacks=minimal", "model=nice", "data=mnist", "data.limit=400", "model.hidden=32",
+             "model.deq_width=32", "model.evaluation.test_sm_points=8", "model.evaluation.val_sm_points=4",
+             "model.n_samples_grid=4", "trainer.fast_dev_run=true"]
+
+
+@pytest.mark.parametrize("deq", ["true", "false"])
+@pytest.mark.parametrize("loss", ["mle", *LOSSES])
+def test_fast_dev_run_nice(tmp_path, shared_data, loss, deq):
+    cfg = compose_train([*NICE_FAST, f"data.root={shared_data}", f"loss={loss}", f"deq={deq}"], tmp_path)
+    train(cfg)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("test/sm_loss", "test/log_likelihood", "test/bits_per_dim"):
+        assert math.isfinite(saved[key]), key
+    # an untrained flow is far from the data, but bits/dim in pixel space must be positive and finite
+    assert saved["test/bits_per_dim"] > 0
+    assert (tmp_path / "samples.png").stat().st_size > 500
+
+
 def test_instantiate_gives_lightning_objects(tmp_path):
     import lightning.pytorch as L
 

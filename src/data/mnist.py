@@ -375,8 +375,11 @@ class MNISTDataModule(L.LightningDataModule):
         squash: str = "affine",
         num_workers: int = 0,
         limit: int | None = None,
+        dim: int = 784,
     ):
         super().__init__()
+        if int(dim) != 784:
+            raise ValueError(f"MNIST images have 784 pixels; data.dim={dim} does not match (leave it at 784)")
         _check_squash(squash, logit_eps)
         if isinstance(split, str):
             if split != "reference":
