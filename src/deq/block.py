@@ -117,6 +117,18 @@ class DEQBlock(nn.Module):
         phi = self.phi
         return lambda z: phi(z, *params)
 
+    def unroll(self, x: torch.Tensor, steps: int, z0: torch.Tensor | None = None) -> torch.Tensor:
+        """``steps`` plain iterations of f from z0 (zeros) with autograd through all of them.
+
+        The reference the phantom and implicit derivatives are judged against (App. C): exact in the limit,
+        at memory proportional to ``steps``. Ignores the solver, the warm start and ``config.backward``.
+        """
+        params = self.map_params(x)
+        z = torch.zeros(self.state_shape(x), device=x.device, dtype=params[0].dtype) if z0 is None else z0
+        for _ in range(int(steps)):
+            z = self.phi(z, *params)
+        return z
+
     def _record(self, stats: dict) -> None:
         self.last_stats = stats
         if not stats.get("converged", True):
