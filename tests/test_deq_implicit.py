@@ -18,9 +18,18 @@ from src.deq.block import ConvDEQBlock, DenseDEQBlock, ResidualDEQBlock, dense_m
 from src.deq.config import DEQConfig
 from src.deq.implicit import fixed_point
 
-TIGHT = dict(tol=1e-13, max_iter=400, warm_start=False, norm_lambda=2.0, backward="implicit")
+TIGHT = {"tol": 1e-13, "max_iter": 400, "warm_start": False, "norm_lambda": 2.0, "backward": "implicit"}
 REL = 1e-8
 UNROLL = 300
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: with 2 threads on a busy CPU these tests ran 200× slower (thread contention)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 class Unrolled(torch.nn.Module):

@@ -1,1 +1,22 @@
-"""The shared DEQ block: solvers, phantom and implicit backward, Frobenius normalisation (pure torch)."""
+"""The shared DEQ block: solvers, phantom and implicit backward, Frobenius normalization (pure torch).
+
+Paper map: eq. 5 → :mod:`src.deq.maps`; §3.2 → :mod:`src.deq.normalization`; Alg. 1 (phantom gradient,
+Prop. 2) and warm start (§3.4) → :mod:`src.deq.block`; Prop. 1 / eqs. 8–9 (exact implicit derivatives of every
+order) → :mod:`src.deq.implicit`; fixed-point solvers (App. B, F) → :mod:`src.deq.solvers`.
+"""
+
+from src.deq.block import ConvDEQBlock, DenseDEQBlock, DEQBlock, ResidualDEQBlock
+from src.deq.config import DEQConfig
+from src.deq.normalization import frobenius_normalize
+from src.deq.solvers import SolverResult, solve
+
+__all__ = [
+           "ConvDEQBlock",
+           "DEQBlock",
+           "DEQConfig",
+           "DenseDEQBlock",
+           "ResidualDEQBlock",
+           "SolverResult",
+           "frobenius_normalize",
+           "solve",
+]

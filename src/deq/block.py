@@ -6,8 +6,8 @@
 - ``implicit``: the exact implicit derivatives of every order (Prop. 1, eqs. 8–9) through
   :func:`src.deq.implicit.fixed_point`, at memory independent of the number of solver iterations.
 
-The map is f(z; x) = φ(z; p) with p = (g(x), normalised weights...) computed *outside* the solver with
-ordinary autograd: the input injection g(x) once per call, the Frobenius normalisation (§3.2) once per call.
+The map is f(z; x) = φ(z; p) (:mod:`src.deq.maps`) with p = (g(x), normalized weights, …) computed
+*outside* the solver with ordinary autograd: the injection g(x) and the normalization (§3.2) once per call.
 Blocks keep the previous fixed point per batch shape and start the solver there (warm start, §3.4).
 """
 
@@ -17,56 +17,40 @@ import math
 import warnings
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from src.deq.config import DEQConfig
 from src.deq.implicit import fixed_point
-from src.deq.normalization import frobenius_normalize
-from src.deq.solvers import solve
+from src.deq.maps import ConvMap, ResidualMap, dense_map
+from src.deq.normalization import conv_lipschitz_factor, frobenius_normalize
+from src.deq.solvers import SolverResult, solve
 
-_WARM_CACHE_SIZE = 8
+__all__ = ["ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "ResidualDEQBlock", "dense_map"]
 
-
-# ---------------------------------------------------------------------------------------------- maps
-def dense_map(z, inj, w1, *rest):
-    """φ(z) = σ(W_L … σ(W_2 σ(W_1 z + g(x)) + b_2) … + b_L), σ = Softplus; rest = (W_2, b_2, …)."""
-    h = F.softplus(z @ w1.T + inj)
-    for i in range(0, len(rest), 2):
-        h = F.softplus(h @ rest[i].T + rest[i + 1])
-    return h
+_WARM_CACHE_SIZE = 8  # batch shapes remembered: train, last smaller batch, replicated (trace) batches, eval
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-class ConvMap:
-    """φ(z) = σ(conv(z, K) + g(y)) (eq. 5 with W a convolution)."""
-
-    def __init__(self, padding: int):
-        self.padding = padding
-
-    def __call__(self, z, inj, kernel):
-        return F.softplus(F.conv2d(z, kernel, padding=self.padding) + inj)
-
-
-class ResidualMap:
-    """φ(z) = h(z) + g(y), h(z) = conv(σ(conv(z, K₁) + b₁), K₂) (NCSN's DEQ-ResBlock, App. D.4)."""
-
-    def __init__(self, padding: int):
-        self.padding = padding
-
-    def __call__(self, z, inj, k1, b1, k2):
-        h = F.softplus(F.conv2d(z, k1, padding=self.padding) + b1[None, :, None, None])
-        return F.conv2d(h, k2, padding=self.padding) + inj
-
-
-# --------------------------------------------------------------------------------------------- base
 class DEQBlock(nn.Module):
-    """Base class: solve, backward mode, warm start and statistics. Subclasses define the map."""
+    """Base class: solve, backward mode, warm start and statistics. Subclasses define the map:
+
+    - ``phi``: a picklable callable φ(z, *params) (see :mod:`src.deq.maps`);
+    - ``map_params(x)``: the tuple p, first the injection g(x) (its shape is the state's), built with autograd;
+    - ``state_shape(x)``: the shape of z.
+
+    After each forward, ``last_stats = {"iterations", "residual" (max over samples, in the stopping metric),
+    "converged"}``; in implicit mode ``last_backward_stats`` sums up the adjoint solves run since the last
+    forward (``{"solves", "iterations" (max), "residual" (max), "converged"}``).
+    """
+
+    phi = None
 
     def __init__(self, config: DEQConfig | None = None, name: str = "deq"):
         super().__init__()
         self.config = config if config is not None else DEQConfig()
         self.name = name
         self.last_stats: dict = {}
+        self.last_backward_stats: dict = {}
         self._warm: dict[tuple, torch.Tensor] = {}
         self._nonconverged = 0
 
@@ -77,31 +61,30 @@ class DEQBlock(nn.Module):
     def state_shape(self, x: torch.Tensor) -> tuple:
         raise NotImplementedError
 
-    phi = None  # the map φ(z, *params): a picklable callable
-
-    # warm start -------------------------------------------------------------------------------
+    # warm start (§3.4) --------------------------------------------------------------------------
     def reset_warm_start(self) -> None:
         self._warm = {}
 
     def warm_start_state(self) -> dict:
+        """The cached fixed points as ``{"128x64": tensor}`` (CPU copies), for checkpoints."""
         return {"x".join(map(str, k)): v.detach().cpu().clone() for k, v in self._warm.items()}
 
     def load_warm_start_state(self, state: dict) -> None:
-        self._warm = {tuple(int(s) for s in k.split("x")): v for k, v in state.items()}
+        self._warm = {tuple(int(s) for s in k.split("x")): v.detach() for k, v in state.items()}
 
-    def _initial(self, x: torch.Tensor) -> torch.Tensor:
-        shape = self.state_shape(x)
-        z = self._warm.get(tuple(shape)) if self.config.warm_start else None
+    def _initial(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        shape = tuple(self.state_shape(x))
+        z = self._warm.get(shape) if self.config.warm_start else None
         if z is not None:
-            return z.to(device=x.device, dtype=x.dtype)
-        return torch.zeros(shape, device=x.device, dtype=x.dtype)
+            return z.to(device=like.device, dtype=like.dtype)
+        return torch.zeros(shape, device=like.device, dtype=like.dtype)
 
     def _remember(self, z_star: torch.Tensor) -> None:
         if not self.config.warm_start:
             return
         key = tuple(z_star.shape)
         self._warm.pop(key, None)
-        self._warm[key] = z_star.detach()
+        self._warm[key] = z_star.detach()  # never a graph in the cache
         while len(self._warm) > _WARM_CACHE_SIZE:
             self._warm.pop(next(iter(self._warm)))
 
@@ -129,46 +112,68 @@ class DEQBlock(nn.Module):
             z = self.phi(z, *params)
         return z
 
-    def _record(self, stats: dict) -> None:
-        self.last_stats = stats
-        if not stats.get("converged", True):
-            self._nonconverged += 1
-            n = self._nonconverged
-            if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th, ... occurrence: informative, not a flood
-                warnings.warn(
-                    f"DEQ block '{self.name}' did not converge: residual {stats['residual']:.3e} > "
-                    f"tol {self.config.tol:g} after {stats['iterations']} iterations (occurrence {n}). "
-                    "Raise deq.max_iter, raise deq.norm_lambda (a stronger contraction), or try "
-                    "deq.solver=anderson.",
-                    RuntimeWarning,
-                    stacklevel=3,
-                )
+    def _report(self, level: int, result: SolverResult) -> None:
+        """Statistics and (throttled) non-convergence warnings of every solve; level ≥ 1 = adjoint solves."""
+        stats = {"iterations": int(result.iterations),
+                 "residual": float(result.residual.max()) if result.residual.numel() else 0.0,
+                 "converged": bool(result.converged)}
+        if level == 0:
+            self.last_stats = stats
+            self.last_backward_stats = {}
+        else:
+            b = self.last_backward_stats
+            self.last_backward_stats = {
+                "solves": b.get("solves", 0) + 1,
+                "iterations": max(b.get("iterations", 0), stats["iterations"]),
+                "residual": max(b.get("residual", 0.0), stats["residual"]),
+                "converged": b.get("converged", True) and stats["converged"],
+            }
+        if stats["converged"]:
+            return
+        self._nonconverged += 1
+        n = self._nonconverged
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th, ... occurrence: informative, not a flood
+            what = "forward solve" if level == 0 else f"adjoint solve (backward, order {level})"
+            warnings.warn(
+                f"DEQ block '{self.name}': {what} did not converge: residual {stats['residual']:.3e} > "
+                f"tol {self.config.tol:g} ({self.config.stop_mode}) after {stats['iterations']} iterations "
+                f"(occurrence {n}). Raise deq.max_iter, raise deq.norm_lambda (a stronger contraction), or "
+                "change deq.solver (anderson helps when the contraction is slow).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """z*(x), shaped ``state_shape(x)``; differentiable w.r.t. x (every order) and the parameters."""
+        if torch.is_autocast_enabled(x.device.type):
+            # under bf16/fp16 autocast the solver residual stalls at 1e-2…1e-3 (DESIGN §2): solve in fp32
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                return self._forward(x.float() if x.dtype in _LOW_PRECISION else x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         params = self.map_params(x)
-        z0 = self._initial(x)
+        z0 = self._initial(x, params[0])
         phi, cfg = self.phi, self.config
         if cfg.backward == "implicit":
-            stats: dict = {}
-            z = fixed_point(phi, z0, params, self._solver_kwargs(), stats)
-            self._remember(z)
-        else:
+            z = fixed_point(phi, z0, params, self._solver_kwargs(), self._report)
+        else:  # phantom gradient, Alg. 1
             detached = tuple(p.detach() for p in params)
-            res = solve(lambda u: phi(u, *detached), z0, **self._solver_kwargs())
-            stats = {"iterations": res.iterations, "residual": float(res.residual.max()),
-                     "converged": res.converged}
-            self._remember(res.z)
-            z = res.z.detach()
+            result = solve(lambda u: phi(u, *detached), z0, **self._solver_kwargs())
+            self._report(0, result)
+            z = result.z.detach()
             for _ in range(int(cfg.phantom_steps)):
                 z = phi(z, *params)
-        self._record(stats)
+        self._remember(z)
         return z
 
 
 # ------------------------------------------------------------------------------------------ blocks
 class DenseDEQBlock(DEQBlock):
-    """Dense block, eq. 5: f(z; x) = Softplus(W z + g(x)), or ``n_layers`` such layers composed (layer 1
-    gets the injection); every W Frobenius-normalised (§3.2) so f is a contraction."""
+    """Dense block, eq. 5: f(z; x) = Softplus(W z + g(x)), or ``n_layers`` such layers composed
+    (Softplus(W_L … Softplus(W_1 z + g(x)) … + b_L); layer 1 gets the injection g, default
+    ``nn.Linear(in_dim, width)``). Every W_i is Frobenius-normalized (§3.2), so f contracts at rate ≤ λ^(−L).
+    ``[B, in_dim] -> [B, width]``."""
 
     def __init__(self, in_dim: int, width: int, n_layers: int = 1, injection: nn.Module | None = None,
                  config: DEQConfig | None = None, name: str = "deq"):
@@ -195,49 +200,63 @@ class DenseDEQBlock(DEQBlock):
         return (self.injection(x), ws[0], *rest)
 
 
+def _odd(kernel_size: int) -> int:
+    if int(kernel_size) % 2 != 1:
+        raise ValueError(f"kernel_size must be odd (same padding keeps the state's size), got {kernel_size}")
+    return int(kernel_size)
+
+
+def _conv_normalize(kernel: torch.Tensor, norm_lambda: float, lipschitz_safe: bool) -> torch.Tensor:
+    scale = conv_lipschitz_factor(kernel) if lipschitz_safe else 1.0
+    return frobenius_normalize(kernel, norm_lambda, scale=scale)
+
+
 class ConvDEQBlock(DEQBlock):
-    """Convolutional block: f(z; y) = Softplus(conv(z, K) + g(y)), K Frobenius-normalised (with the
-    sqrt(k_h k_w) factor that makes the convolution's operator norm < 1/λ)."""
+    """Convolutional block, eq. 5 with W a convolution: f(z; y) = Softplus(conv(z, K) + g(y)), same padding,
+    g default ``nn.Conv2d(in_channels, channels, kernel_size)``. ``[B, C_in, H, W] -> [B, channels, H, W]``.
+
+    K is Frobenius-normalized (§3.2). With ``lipschitz_safe`` (default) also divided by sqrt(k·k): the paper's
+    K/(λ‖K‖_F) bounds a k×k convolution's operator norm only by k/λ (1.5 for k = 3, λ = 2: not a contraction,
+    see :func:`src.deq.normalization.conv_lipschitz_factor`); ``lipschitz_safe=False`` is the paper's."""
 
     def __init__(self, in_channels: int, channels: int, kernel_size: int = 3, injection: nn.Module | None = None,
-                 config: DEQConfig | None = None, name: str = "deq.conv"):
+                 config: DEQConfig | None = None, name: str = "deq", lipschitz_safe: bool = True):
         super().__init__(config, name)
-        if kernel_size % 2 != 1:
-            raise ValueError(f"kernel_size must be odd (same padding), got {kernel_size}")
-        self.channels, self.kernel_size = int(channels), int(kernel_size)
-        pad = kernel_size // 2
-        self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, kernel_size, padding=pad)
-        self.kernel = nn.Parameter(torch.randn(channels, channels, kernel_size, kernel_size) / math.sqrt(channels * kernel_size**2))
-        self.phi = ConvMap(pad)
+        k = _odd(kernel_size)
+        self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
+        self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)
+        self.kernel = nn.Parameter(torch.randn(channels, channels, k, k) / math.sqrt(channels * k * k))
+        self.phi = ConvMap(k // 2)
 
     def state_shape(self, x):
         return (x.shape[0], self.channels, *x.shape[2:])
 
     def map_params(self, x):
-        k = frobenius_normalize(self.kernel, self.config.norm_lambda, scale=float(self.kernel_size))
-        return (self.injection(x), k)
+        return (self.injection(x), _conv_normalize(self.kernel, self.config.norm_lambda, self.lipschitz_safe))
 
 
 class ResidualDEQBlock(DEQBlock):
-    """NCSN's DEQ-ResBlock (App. D.4): f(z; y) = h(z) + g(y) with h(z) = conv(σ(conv(z) + b)), both kernels
-    normalised so h — and hence f — is a contraction."""
+    """NCSN's DEQ-ResBlock (App. D.4): f(z; y) = h(z) + g(y), h(z) = conv(Softplus(conv(z, K₁) + b₁), K₂)
+    (see :class:`src.deq.maps.ResidualMap`), both kernels normalized as in :class:`ConvDEQBlock`, so h — and
+    hence f — contracts at rate ≤ λ^(−2). g default ``nn.Conv2d(in_channels, channels, kernel_size)``
+    (NCSN uses a conv + ResBlock: pass it as ``injection``)."""
 
     def __init__(self, in_channels: int, channels: int, kernel_size: int = 3, injection: nn.Module | None = None,
-                 config: DEQConfig | None = None, name: str = "deq.res"):
+                 config: DEQConfig | None = None, name: str = "deq", lipschitz_safe: bool = True):
         super().__init__(config, name)
-        self.channels, self.kernel_size = int(channels), int(kernel_size)
-        pad = kernel_size // 2
-        self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, kernel_size, padding=pad)
-        scale = 1.0 / math.sqrt(channels * kernel_size**2)
-        self.kernel1 = nn.Parameter(torch.randn(channels, channels, kernel_size, kernel_size) * scale)
+        k = _odd(kernel_size)
+        self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
+        self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)
+        scale = 1.0 / math.sqrt(channels * k * k)
+        self.kernel1 = nn.Parameter(torch.randn(channels, channels, k, k) * scale)
         self.bias1 = nn.Parameter(torch.zeros(channels))
-        self.kernel2 = nn.Parameter(torch.randn(channels, channels, kernel_size, kernel_size) * scale)
-        self.phi = ResidualMap(pad)
+        self.kernel2 = nn.Parameter(torch.randn(channels, channels, k, k) * scale)
+        self.phi = ResidualMap(k // 2)
 
     def state_shape(self, x):
         return (x.shape[0], self.channels, *x.shape[2:])
 
     def map_params(self, x):
-        lam, s = self.config.norm_lambda, float(self.kernel_size)
-        return (self.injection(x), frobenius_normalize(self.kernel1, lam, scale=s), self.bias1,
-                frobenius_normalize(self.kernel2, lam, scale=s))
+        lam, safe = self.config.norm_lambda, self.lipschitz_safe
+        return (self.injection(x), _conv_normalize(self.kernel1, lam, safe), self.bias1,
+                _conv_normalize(self.kernel2, lam, safe))

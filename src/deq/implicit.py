@@ -1,17 +1,21 @@
 """Exact implicit differentiation of a fixed point, to every order (paper Prop. 1, eqs. 8–9).
 
-``fixed_point(phi, z0, params, solver)`` returns u* = phi(u*, *params) solved under ``no_grad``, as the
-output of an autograd Function whose backward is itself differentiable:
+``fixed_point(phi, z0, params, solver)`` returns u* = φ(u*; p) solved under ``no_grad``, as the output of
+an autograd Function whose backward is itself differentiable (DESIGN §2, "a route that works"):
 
-- backward, given ū: the adjoint v solves v = ū + (∂_u φ(u*; p))ᵀ v. That equation is again a fixed point,
-  of ψ(v; ū, u*, p) = ū + (∂_u φ)ᵀ v (linear in v, contracting at the forward rate), so v is computed by
-  the *same* Function applied to ψ; its own backward then builds the adjoint of ψ, and so on — one level
-  per derivative order (exact SM needs three).
+- backward, given ū: the adjoint v solves v = ū + (∂_u φ(u*; p))ᵀ v (eq. 8 transposed). That equation is
+  again a fixed point, of ψ(v; ū, u*, p) = ū + (∂_u φ)ᵀ v (linear in v, contracting at the forward rate),
+  so v is computed by the *same* Function applied to ψ; its own backward builds the adjoint of ψ, and so
+  on: one level per derivative order (eq. 9 and beyond; the exact SM loss's parameter gradient needs 3).
 - p̄ = (∂_p φ(u*; p))ᵀ v is a partial VJP taken w.r.t. fresh aliases ``p.view_as(p)`` while u* (saved as
-  an *output*) stays attached to the graph, so p̄ is a composition of differentiable pieces and its own
-  derivatives are exact (DESIGN §2; each trap listed there is silent).
+  an *output*) stays attached, so p̄ is a composition of differentiable pieces and its derivatives are exact.
 
-Memory does not grow with solver iterations: only u* and the parameters are saved.
+Each of DESIGN §2's traps is silent; this module avoids them by construction: no ``@once_differentiable``
+(1), no hook-based adjoint (2), no ``detach`` of u* (3), the adjoint is a Function, not a bare no-grad solve
+(4), ``enable_grad`` in backward (5), aliases instead of the original tensors (6).
+
+Memory does not grow with solver iterations: the Function saves u* and p; each adjoint solve builds φ's
+graph once and runs one vector-Jacobian product per iteration on it (:meth:`_Adjoint.prepare`).
 """
 
 from __future__ import annotations
@@ -20,58 +24,83 @@ from collections.abc import Callable
 
 import torch
 
-from src.deq.solvers import solve
+from src.deq.solvers import SolverResult, solve
+
+Report = Callable[[int, SolverResult], None]  # (level, result): level 0 = forward solve, k ≥ 1 = k-th adjoint
 
 
 class _Adjoint:
-    """ψ(v; ū, u, *p) = ū + (∂_u φ(u; p))ᵀ v, for a given φ (picklable: no closures)."""
+    """ψ(v; ū, u, *p) = ū + (∂_u φ(u; p))ᵀ v for a given φ (picklable: a plain object, no closure)."""
 
     def __init__(self, phi: Callable):
         self.phi = phi
 
     def __call__(self, v, u_bar, u, *params):
-        need_graph = torch.is_grad_enabled()  # False inside the solver, True when differentiated
+        """Differentiable evaluation, w.r.t. v, ū, u and p (used in backward and by the next level)."""
         with torch.enable_grad():
-            u_in = u if (need_graph and u.requires_grad) else u.detach().requires_grad_(True)
-            p_in = params if need_graph else tuple(p.detach() for p in params)
-            out = self.phi(u_in, *p_in)
-            (jtv,) = torch.autograd.grad(out, u_in, v, create_graph=need_graph)
+            if not u.requires_grad:
+                u = u.detach().requires_grad_(True)
+            out = self.phi(u, *params)
+            (jtv,) = torch.autograd.grad(out, u, v, create_graph=True, allow_unused=True, materialize_grads=True)
         return u_bar + jtv
+
+    def prepare(self, u_bar, u, *params) -> Callable:
+        """v ↦ ψ(v) for the no-grad solve: φ's graph is built once, each iteration is one VJP on it."""
+        with torch.enable_grad():
+            leaf = u.detach().requires_grad_(True)
+            out = self.phi(leaf, *(p.detach() for p in params))
+        u_bar = u_bar.detach()
+
+        def step(v):
+            (jtv,) = torch.autograd.grad(out, leaf, v, retain_graph=True, allow_unused=True, materialize_grads=True)
+            return u_bar + jtv
+
+        return step
+
+
+def _prepared(phi: Callable, params: tuple) -> Callable:
+    if hasattr(phi, "prepare"):
+        return phi.prepare(*params)
+    return lambda z: phi(z, *params)
 
 
 class _FixedPoint(torch.autograd.Function):
+    """u* = φ(u*; p). Inputs: (φ, solver kwargs, report, level, z0, *p). Output: u*."""
+
     @staticmethod
-    def forward(ctx, phi, solver, stats, z0, *params):
+    def forward(ctx, phi, solver, report, level, z0, *params):
         with torch.no_grad():
-            result = solve(lambda z: phi(z, *params), z0, **solver)
-        if stats is not None:
-            stats["iterations"] = result.iterations
-            stats["residual"] = float(result.residual.max()) if result.residual.numel() else 0.0
-            stats["converged"] = result.converged
+            result = solve(_prepared(phi, params), z0, **solver)
+        if report is not None:
+            report(level, result)
         u = result.z
-        ctx.phi, ctx.solver = phi, solver
-        ctx.save_for_backward(u, *params)
+        ctx.phi, ctx.solver, ctx.report, ctx.level = phi, solver, report, level
+        ctx.save_for_backward(u, *params)  # u as an output: it comes back attached to this node
         return u
 
     @staticmethod
     def backward(ctx, u_bar):
         u, *params = ctx.saved_tensors
-        phi, solver = ctx.phi, ctx.solver
+        create_graph = torch.is_grad_enabled()  # True iff the caller asked for create_graph
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[5:]) if need]
         with torch.enable_grad():
-            # adjoint solve with the same Function: exact to every further order
-            v = _FixedPoint.apply(_Adjoint(phi), solver, None, torch.zeros_like(u_bar), u_bar, u, *params)
             aliases = [p.view_as(p) for p in params]
-            out = phi(u, *aliases)
-            wanted = [i for i, p in enumerate(aliases) if p.requires_grad]
-            grads = torch.autograd.grad(
-                out, [aliases[i] for i in wanted], v, create_graph=True, allow_unused=True
-            )
+            v = _FixedPoint.apply(_Adjoint(ctx.phi), ctx.solver, ctx.report, ctx.level + 1,
+                                  u_bar.detach(), u_bar, u, *aliases)
+            out = ctx.phi(u, *aliases)  # partial VJP in p, u* held (and attached)
+            grads = torch.autograd.grad(out, [aliases[i] for i in wanted], v, create_graph=create_graph,
+                                        allow_unused=True)
         p_bar = [None] * len(params)
         for i, g in zip(wanted, grads):
             p_bar[i] = g
-        return (None, None, None, None, *p_bar)
+        return (None, None, None, None, None, *p_bar)
 
 
-def fixed_point(phi: Callable, z0: torch.Tensor, params: tuple, solver: dict, stats: dict | None = None):
-    """u* = phi(u*, *params), differentiable to every order w.r.t. params by implicit differentiation."""
-    return _FixedPoint.apply(phi, solver, stats, z0.detach(), *params)
+def fixed_point(phi: Callable, z0: torch.Tensor, params: tuple, solver: dict, report: Report | None = None):
+    """u* = φ(u*, *params), differentiable to every order w.r.t. ``params`` by implicit differentiation.
+
+    ``phi(z, *params)`` must be a pure function of its tensor arguments; ``solver`` holds the keyword
+    arguments of :func:`src.deq.solvers.solve`; ``report(level, result)`` is called after every solve
+    (level 0 forward, level k ≥ 1 the k-th nested adjoint) for statistics and warnings.
+    """
+    return _FixedPoint.apply(phi, solver, report, 0, z0.detach(), *params)

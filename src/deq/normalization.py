@@ -1,17 +1,31 @@
-"""Frobenius weight normalisation of paper §3.2: W -> W / (λ(‖W‖_F + ε)), λ > 1.
-
-For a dense W, ‖W‖_2 ≤ ‖W‖_F, so the normalised map z ↦ Wz has Lipschitz constant < 1/λ; with a
-1-Lipschitz activation (Softplus) the DEQ map is a contraction and Picard iteration converges linearly
-(Banach). For a convolution kernel K of size k_h × k_w the operator norm is at most
-Σ_positions ‖K[:, :, i, j]‖_2 ≤ sqrt(k_h k_w) ‖K‖_F, so conv blocks pass ``scale = sqrt(k_h k_w)`` to keep
-the same guarantee (the paper divides by ‖K‖_F alone, which bounds the norm only for 1×1 kernels).
-"""
+"""Weight normalization that makes the DEQ map a contraction (paper §3.2)."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 
-def frobenius_normalize(weight: torch.Tensor, norm_lambda: float, eps: float = 1e-6, scale: float = 1.0) -> torch.Tensor:
-    """``weight / (norm_lambda · scale · (‖weight‖_F + eps))``; differentiable by ordinary autograd."""
-    return weight / (norm_lambda * scale * (weight.norm() + eps))
+def frobenius_normalize(weight: torch.Tensor, norm_lambda: float, eps: float = 1e-6,
+                        scale: float = 1.0) -> torch.Tensor:
+    """§3.2: ``W / (λ · scale · (‖W‖_F + ε))``, λ > 1, for dense matrices and convolution kernels alike.
+
+    For a dense W, ‖W‖_2 ≤ ‖W‖_F, so the result has spectral norm < 1/λ < 1 and z ↦ σ(Wz + g) is a
+    contraction for any 1-Lipschitz σ (Softplus); Picard iteration converges linearly (Banach). For a conv
+    kernel pass ``scale=conv_lipschitz_factor(W)`` to keep that guarantee. Plain autograd: differentiable to
+    every order.
+    """
+    if norm_lambda <= 1:
+        raise ValueError(f"norm_lambda must be > 1 (paper §3.2); got {norm_lambda}")
+    return weight / (norm_lambda * scale * (torch.linalg.vector_norm(weight) + eps))
+
+
+def conv_lipschitz_factor(weight: torch.Tensor) -> float:
+    """``sqrt(kh·kw)`` of a kernel ``[C_out, C_in, kh, kw]``: the bound ‖conv_W‖_2 ≤ sqrt(kh·kw) ‖W‖_F.
+
+    A stride-1 convolution is Σ_ij W_ij S_ij with shifts S_ij of norm ≤ 1, so ‖conv‖ ≤ Σ_ij ‖W_ij‖_F ≤
+    sqrt(kh·kw) ‖W‖_F (Cauchy–Schwarz). The bound is attained (an all-ones kernel on a constant image), so the
+    paper's plain Frobenius normalization guarantees only ‖conv‖ < sqrt(kh·kw)/λ (3/λ for 3×3).
+    """
+    return math.sqrt(math.prod(weight.shape[2:]))

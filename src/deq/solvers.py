@@ -20,7 +20,7 @@ import torch
 class SolverResult:
     z: torch.Tensor
     iterations: int
-    residual: torch.Tensor  # [B] final ‖f(z) − z‖ per sample
+    residual: torch.Tensor  # [B] final ‖f(z) − z‖ per sample (absolute, whatever the stop_mode)
     converged: bool
 
 
@@ -91,7 +91,10 @@ def anderson(f, z0, *, tol=1e-5, max_iter=128, stop_mode="abs", anderson_m=5, an
 
 @torch.no_grad()
 def broyden(f, z0, *, tol=1e-5, max_iter=128, stop_mode="abs", memory=30, **_) -> SolverResult:
-    """Limited-memory Broyden ("good" update) on g(z) = f(z) − z, inverse Jacobian B ≈ −I + Σ u vᵀ."""
+    """Limited-memory Broyden ("good" update) on g(z) = f(z) − z, inverse Jacobian B ≈ −I + Σ u vᵀ.
+
+    Keeps the last ``memory`` pairs (u, v): 2·memory extra copies of the state (mind large conv states).
+    """
     bsz, shape = z0.shape[0], z0.shape
     z = z0.reshape(bsz, -1)
 

@@ -1,0 +1,48 @@
+"""The fixed-point maps φ(z; p) of the DEQ blocks, as pure functions of tensors (paper eq. 5, App. D.4).
+
+p = (g(x), normalized weights, biases) is computed by the block with ordinary autograd; φ sees only tensors,
+so the solvers, the phantom steps and the implicit Function can all call it. Module-level functions and
+small classes (no closures): blocks that hold them stay picklable (DDP).
+"""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+
+
+def dense_map(z, inj, w1, *rest):
+    """Eq. 5, dense, L layers: φ(z) = σ(W_L … σ(W_2 σ(W_1 z + g(x)) + b_2) … + b_L), σ = Softplus.
+
+    ``rest = (W_2, b_2, …, W_L, b_L)``. Each W_i has spectral norm < 1/λ and Softplus is 1-Lipschitz, so φ is
+    a contraction with rate ≤ λ^(−L).
+    """
+    h = F.softplus(z @ w1.T + inj)
+    for i in range(0, len(rest), 2):
+        h = F.softplus(h @ rest[i].T + rest[i + 1])
+    return h
+
+
+class ConvMap:
+    """Eq. 5 with W a convolution: φ(z) = σ(conv(z, K) + g(y)), σ = Softplus, same padding."""
+
+    def __init__(self, padding: int):
+        self.padding = padding
+
+    def __call__(self, z, inj, kernel):
+        return F.softplus(F.conv2d(z, kernel, padding=self.padding) + inj)
+
+
+class ResidualMap:
+    """NCSN's DEQ-ResBlock (App. D.4): φ(z) = h(z) + g(y), h(z) = conv(σ(conv(z, K₁) + b₁), K₂).
+
+    h is the residual branch of a ResBlock with both kernels normalized (Lipschitz ≤ λ^(−2)). The identity
+    shortcut is left out on purpose: inside a fixed point it changes nothing but the scale of g
+    (z = ½(z + r(z)) + g ⇔ z = r(z) + 2g) while it caps the contraction rate at ≥ ½.
+    """
+
+    def __init__(self, padding: int):
+        self.padding = padding
+
+    def __call__(self, z, inj, k1, b1, k2):
+        h = F.softplus(F.conv2d(z, k1, padding=self.padding) + b1[None, :, None, None])
+        return F.conv2d(h, k2, padding=self.padding) + inj
