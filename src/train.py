@@ -20,6 +20,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
+from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.callbacks.profiling import ProfilingCallback
@@ -102,6 +103,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         with open_dict(cfg):
             cfg.logger.wandb.group = group  # multirun jobs: one W&B run each, grouped by sweep
     callbacks = _instantiate_group(cfg.get("callbacks"))
+    if not cfg.trainer.get("enable_progress_bar", True):  # a progress-bar callback would contradict it
+        callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = _instantiate_group(cfg.get("logger"))
     trainer: L.Trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]
@@ -113,7 +116,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     log.info("model: %s, %d parameters; output dir: %s", type(model).__name__, n_params, out_dir)
     if cfg.get("ckpt_path"):
         check_checkpoint(cfg.ckpt_path)  # a clear error naming a truncated/foreign file, before Lightning
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    # the checkpoint was just checked; it holds RNG states (numpy arrays), which weights_only=True refuses
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
 
     metrics: dict[str, Any] = {
         "n_params": n_params,
@@ -129,6 +133,11 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     if trainer.world_size > 1:
         metrics.update(ddp_consistency(trainer, model))
+        # rank 0 tests alone below; a second Trainer would otherwise wait for the other ranks forever
+        # (its prepare_data barrier is a collective), so leave the process group on every rank first
+        trainer.strategy.barrier()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
     if cfg.get("test", True) and trainer.is_global_zero:
         ckpt_cb = getattr(trainer, "checkpoint_callback", None)
         best = getattr(ckpt_cb, "best_model_path", "") if ckpt_cb is not None else ""

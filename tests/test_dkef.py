@@ -26,11 +26,13 @@ def brute_dsm(model, alpha, x, x_noisy, sigma):
     return (0.5 * (s + (xn - x) / sigma**2).pow(2).sum(-1)).mean()
 
 
-@pytest.fixture(params=["mlp", "deq"])
+@pytest.fixture(params=["mlp", "linear", "deq"])
 def model(request):
+    """``linear``: a 1-layer (linear) feature map, whose second directional derivatives are exactly 0."""
     torch.manual_seed(0)
     deq = DEQ if request.param == "deq" else None
-    return DKEF(4, deq=deq, depth=2, n_inducing=7, feature_dim=5, hidden=6, deq_width=6).double()
+    depth = 1 if request.param == "linear" else 2
+    return DKEF(4, deq=deq, depth=depth, n_inducing=7, feature_dim=5, hidden=6, deq_width=6).double()
 
 
 def test_exact_fit_is_the_quadratic_of_the_sm_loss(model):

@@ -50,7 +50,8 @@ class DKEFLitModule(ScoreMatchingModule):
         optimizer: Mapping | None = None,
         evaluation: Mapping | None = None,
     ):
-        loss, deq = as_plain(loss), as_plain(deq)
+        # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
+        loss, deq, optimizer, evaluation = (as_plain(c) for c in (loss, deq, optimizer, evaluation))
         if loss and loss.get("name") == "mle":
             raise ValueError(
                 "loss=mle needs a model with a tractable likelihood (model=nice); DKEF's normaliser is "

@@ -31,9 +31,11 @@ class NICELitModule(ScoreMatchingModule):
         evaluation: Mapping | None = None,
         n_samples_grid: int = 64,
     ):
+        # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
+        loss, deq, optimizer, evaluation = (as_plain(c) for c in (loss, deq, optimizer, evaluation))
         super().__init__(loss=loss, optimizer=optimizer, evaluation=evaluation)
         self.save_hyperparameters()
-        deq = as_plain(deq) or {}
+        deq = deq or {}
         enabled = bool(deq.get("enabled", False))
         if depth is not None and (int(depth) != depth or depth < 1):
             raise ValueError(f"depth={depth} is invalid: it must be a positive integer")

@@ -14,8 +14,12 @@ import torch
 
 def jvp(u: torch.Tensor, x: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Jacobian-vector product (∂u/∂x) v for u computed from x (both with graph); differentiable."""
+    if not u.requires_grad:
+        return torch.zeros_like(u)
     w = torch.zeros_like(u, requires_grad=True)
-    (g,) = torch.autograd.grad(u, x, w, create_graph=True)
+    (g,) = torch.autograd.grad(u, x, w, create_graph=True, allow_unused=True)
+    if g is None:  # u does not depend on x (e.g. the derivative of a linear feature map): the JVP is 0
+        return torch.zeros_like(u)
     (out,) = torch.autograd.grad(g, w, v, create_graph=True)
     return out
 
