@@ -2,10 +2,13 @@
 
     python benchmarks/deq_solvers.py [--root ../shared/data] [--train-steps 150] [--tol 1e-5]
 
-Two blocks:
+Three blocks:
 - a *trained* DKEF feature block (DEQ-DKEF trained with exact SM on RedWine for ``--train-steps`` steps);
-- a NICE-sized block (in 392 → width 1000, as one coupling of DEQ-NICE), on MNIST logit-space halves.
-Each solver is run cold (z0 = 0) and warm-started in two ways: from the previous batch's fixed point
+- a NICE-sized block (in 392 → width 1000, as one coupling of DEQ-NICE), on MNIST logit-space halves;
+- a slow block: W ≈ rank one, the slowest contraction the Frobenius normalization allows (rate ≈ 1/λ).
+Each block is solved at the training normalization (λ = 2: fast contraction) and at λ = 1.1 (slow
+contraction, rate up to 0.91, where acceleration should pay). Each solver is run cold (z0 = 0) and
+warm-started in two ways: from the previous batch's fixed point
 ("warm: previous batch"), and from the same samples' fixed point before one optimiser step ("warm: same
 samples, after a step" — the by-sample-index warm start of training). Results go to
 ``benchmarks/results/deq_solvers.json`` and ``.md``.
@@ -27,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from src.data.datamodules import UCIDataModule  # noqa: E402
 from src.deq.block import DenseDEQBlock  # noqa: E402
+from src.deq.config import DEQConfig  # noqa: E402
 from src.deq.solvers import solve  # noqa: E402
 from src.models.dkef import DKEF  # noqa: E402
 from src.objectives.sm import sm  # noqa: E402
@@ -118,7 +122,7 @@ def trained_dkef_block(root: str, steps: int, seed: int):
             opt.step()
             done += 1
     block = model.features[0].block
-    batches = list(dm.test_data.split(128))[:4]
+    batches = list(dm.train_data[: 8 * 128].split(128))  # 8 full batches: warm starts need equal shapes
 
     def step_fn(x):
         # one optimiser step of the whole model on x, then the block has new weights
@@ -136,13 +140,36 @@ def nice_block(root: str, seed: int):
     torch.manual_seed(seed)
     from src.data.mnist import MNISTDataModule
 
-    deq = __import__("src.deq.config", fromlist=["DEQConfig"]).DEQConfig(norm_lambda=2.0)
+    deq = DEQConfig(norm_lambda=2.0)
     injection = torch.nn.Sequential(torch.nn.Linear(392, 1000), torch.nn.Softplus())
     block = DenseDEQBlock(392, 1000, injection=injection, config=deq, name="nice-sized")
     dm = MNISTDataModule(root, limit=2000)
     dm.setup("fit")
-    x = dm.test_data[:, ::2][: 4 * 128]
+    x = dm.train_data[:, ::2][: 8 * 128]
     batches = list(x.split(128))
+    opt = torch.optim.Adam(block.parameters(), lr=1e-3)
+
+    def step_fn(xb):
+        out = block(xb).pow(2).mean()
+        opt.zero_grad()
+        out.backward()
+        opt.step()
+
+    return block, batches, step_fn
+
+
+def slow_block(seed: int, width: int = 64, in_dim: int = 11):
+    """The slowest contraction the normalization allows: W ≈ rank one, so ‖W‖₂ ≈ ‖W‖_F and the rate is ≈ 1/λ.
+
+    Random (and, as the table shows, trained) weights have ‖W‖₂ ≪ ‖W‖_F, which makes the Frobenius-normalized
+    map contract much faster than 1/λ; this block shows how the solvers behave when it does not.
+    """
+    g = torch.Generator().manual_seed(seed)
+    block = DenseDEQBlock(in_dim, width, config=DEQConfig(norm_lambda=2.0), name="rank-one")
+    with torch.no_grad():
+        u, v = torch.rand(width, 1, generator=g), torch.rand(1, width, generator=g)
+        block.weights[0].copy_(u @ v + 0.01 * torch.randn(width, width, generator=g))
+    batches = list(torch.randn(8 * 128, in_dim, generator=g).split(128))
     opt = torch.optim.Adam(block.parameters(), lr=1e-3)
 
     def step_fn(xb):
@@ -173,14 +200,20 @@ def main(argv=None):
     p.add_argument("--max-iter", type=int, default=500)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lambdas", default="2.0,1.1",
+                   help="norm_lambda values to solve each block at: 2.0 trains (fast contraction, ~6 iterations); "
+                        "values near 1 give the slow contraction (rate up to 1/lambda) where acceleration matters")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
-    block, batches, step_fn = trained_dkef_block(args.root, args.train_steps, args.seed)
-    rows += bench_block("DKEF (trained, width 64)", block, batches, step_fn, args.tol, args.max_iter)
-    block, batches, step_fn = nice_block(args.root, args.seed)
-    rows += bench_block("NICE-sized (width 1000)", block, batches, step_fn, args.tol, args.max_iter)
+    blocks = [("DKEF (trained, width 64)", trained_dkef_block(args.root, args.train_steps, args.seed)),
+              ("NICE-sized (width 1000)", nice_block(args.root, args.seed)),
+              ("slow: rank-one W (width 64)", slow_block(args.seed))]
+    for name, (block, batches, step_fn) in blocks:
+        for lam in (float(v) for v in args.lambdas.split(",")):
+            block.config.norm_lambda = lam
+            rows += bench_block(f"{name}, λ={lam:g}", block, batches, step_fn, args.tol, args.max_iter)
     meta = {"tol": args.tol, "threads": args.threads, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
             "torch": torch.__version__, "command": "python benchmarks/deq_solvers.py " + " ".join(argv or sys.argv[1:])}
     args.out.mkdir(parents=True, exist_ok=True)

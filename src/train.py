@@ -71,6 +71,14 @@ def validate_config(cfg: DictConfig) -> None:
             f"deq.norm_lambda={deq.norm_lambda} is invalid: it must be > 1 so that the DEQ map is a contraction "
             "(paper §3.2: W <- W / (lambda ||W||_F)); the paper's range is about 1.5-4"
         )
+    loss = cfg.get("loss")
+    if (loss is not None and loss.get("name") == "cp" and deq is not None and deq.get("enabled")
+            and deq.get("backward") == "implicit"):
+        raise ValueError(
+            "loss=cp cannot run with deq.backward=implicit: curvature propagation records the network's elementary "
+            "ops, and the implicit DEQ hides them inside one autograd Function. Use deq.backward=phantom with cp, "
+            "or an exact/sliced loss (sm, ssm, ssm_vr, dsm) with the implicit backward"
+        )
 
 
 def _output_dir(cfg: DictConfig) -> Path:

@@ -76,6 +76,14 @@ def dsm_loss(energy, x, noise, sigma=0.3):
     return 0.5 * (s + (xt - x) / sigma**2).flatten(1).pow(2).sum(1).mean()
 
 
+def ssm_vr_loss(energy, x, v):
+    """½‖s‖² + vᵀ∇ₓ(vᵀs) for a fixed projection v (eq. 4)."""
+    x = x.clone().requires_grad_(True)
+    s = score(energy, x)
+    (grad_vs,) = torch.autograd.grad((s * v).sum(), x, create_graph=True)
+    return (0.5 * s.flatten(1).pow(2).sum(1) + (grad_vs * v).flatten(1).sum(1)).mean()
+
+
 def rel(a, b):
     return ((a - b).norm() / b.norm()).item()
 
@@ -119,6 +127,10 @@ def test_implicit_matches_unrolled_reference_to_every_order(build):
     assert rel(flat_grad(loss_i, params), flat_grad(loss_r, params)) < REL
     g_i = flat_grad(dsm_loss(implicit, x, noise), params)
     g_r = flat_grad(dsm_loss(reference, x, noise), params)
+    assert rel(g_i, g_r) < REL
+    v = torch.randint(0, 2, x.shape, generator=torch.Generator().manual_seed(5)).to(x) * 2 - 1
+    g_i = flat_grad(ssm_vr_loss(implicit, x, v), params)
+    g_r = flat_grad(ssm_vr_loss(reference, x, v), params)
     assert rel(g_i, g_r) < REL
 
 

@@ -164,10 +164,6 @@ def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
     assert (model.inverse(model(x)) - x).abs().max().item() < 1e-12
 
 
-DEQ_EXISTS = (Path(__file__).resolve().parents[1] / "src" / "deq" / "block.py").is_file()
-
-
-@pytest.mark.skipif(not DEQ_EXISTS, reason="src/deq/block.py not written yet")
 def test_nice_with_deq_couplings_is_exactly_invertible():
     torch.manual_seed(0)
     cfg = {"solver": "picard", "tol": 1e-13, "max_iter": 1000, "phantom_steps": 2, "warm_start": True,

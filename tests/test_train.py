@@ -88,10 +88,11 @@ def test_bad_overrides_are_rejected(tmp_path, override, exc):
         ("depth=0", "depth=0 is invalid"),
         ("deq.norm_lambda=1.0", "deq.norm_lambda=1.0 is invalid"),
         ("deq.norm_lambda=0.5", "must be > 1"),
+        ("loss=cp deq.backward=implicit", "loss=cp cannot run with deq.backward=implicit"),
     ],
 )
 def test_invalid_values_fail_at_start_up(tmp_path, override, message):
-    cfg = compose_train([*FAST, override, "trainer.fast_dev_run=true"], tmp_path)
+    cfg = compose_train([*FAST, *override.split(), "trainer.fast_dev_run=true"], tmp_path)
     with pytest.raises(ValueError, match=message):
         train(cfg)
     assert not (tmp_path / "metrics.json").exists()
