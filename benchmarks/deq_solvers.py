@@ -136,6 +136,19 @@ def trained_dkef_block(root: str, steps: int, seed: int):
     return block, batches, step_fn
 
 
+def adam_step_on_output_norm(block: DenseDEQBlock):
+    """A stand-alone block's "optimiser step": one Adam step on mean z*(x)², so its weights move a little."""
+    opt = torch.optim.Adam(block.parameters(), lr=1e-3)
+
+    def step_fn(xb):
+        out = block(xb).pow(2).mean()
+        opt.zero_grad()
+        out.backward()
+        opt.step()
+
+    return step_fn
+
+
 def nice_block(root: str, seed: int):
     torch.manual_seed(seed)
     from src.data.mnist import MNISTDataModule
@@ -147,15 +160,7 @@ def nice_block(root: str, seed: int):
     dm.setup("fit")
     x = dm.train_data[:, ::2][: 8 * 128]
     batches = list(x.split(128))
-    opt = torch.optim.Adam(block.parameters(), lr=1e-3)
-
-    def step_fn(xb):
-        out = block(xb).pow(2).mean()
-        opt.zero_grad()
-        out.backward()
-        opt.step()
-
-    return block, batches, step_fn
+    return block, batches, adam_step_on_output_norm(block)
 
 
 def slow_block(seed: int, width: int = 64, in_dim: int = 11):
@@ -170,15 +175,7 @@ def slow_block(seed: int, width: int = 64, in_dim: int = 11):
         u, v = torch.rand(width, 1, generator=g), torch.rand(1, width, generator=g)
         block.weights[0].copy_(u @ v + 0.01 * torch.randn(width, width, generator=g))
     batches = list(torch.randn(8 * 128, in_dim, generator=g).split(128))
-    opt = torch.optim.Adam(block.parameters(), lr=1e-3)
-
-    def step_fn(xb):
-        out = block(xb).pow(2).mean()
-        opt.zero_grad()
-        out.backward()
-        opt.step()
-
-    return block, batches, step_fn
+    return block, batches, adam_step_on_output_norm(block)
 
 
 def to_markdown(rows, meta) -> str:

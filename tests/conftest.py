@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
@@ -37,3 +38,12 @@ def shared_data() -> Path:
     if not SHARED_DATA.is_dir():
         pytest.skip(f"verified data sets not found at {SHARED_DATA}")
     return SHARED_DATA
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: with 2 threads on a busy CPU these tests ran 200× slower (thread contention)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -14,12 +14,7 @@ from src.deq.block import ConvDEQBlock, DenseDEQBlock, ResidualDEQBlock
 from src.deq.config import DEQConfig
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def score_of(block, head, x):

@@ -23,13 +23,7 @@ REL = 1e-8
 UNROLL = 300
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: with 2 threads on a busy CPU these tests ran 200× slower (thread contention)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class Unrolled(torch.nn.Module):

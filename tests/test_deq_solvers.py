@@ -14,12 +14,7 @@ from src.deq.solvers import anderson, broyden, picard, solve
 METHODS = ("picard", "anderson", "broyden")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def random_map(norm_lambda=2.0, width=32, batch=8, aligned=False, seed=0):
