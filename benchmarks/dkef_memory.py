@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from src.callbacks.profiling import SavedTensorsMeter  # noqa: E402
+from src.deq.config import DEQConfig  # noqa: E402
 from src.lit.dkef import DKEFLitModule  # noqa: E402
 
 # name -> (batch, hidden width of explicit layers, DEQ width); the DKEF defaults otherwise (M = 200 inducing
@@ -48,8 +49,7 @@ VARIANTS = [("DEQ", True, 1), ("3-layer", False, 3), ("8-layer", False, 8), ("16
 
 
 def build(dim: int, deq: bool, depth: int, hidden: int, deq_width: int, loss: str, device: str) -> DKEFLitModule:
-    deq_cfg = {"enabled": deq, "solver": "picard", "tol": 1e-5, "max_iter": 128, "phantom_steps": 2,
-               "warm_start": True, "norm_lambda": 2.0, "backward": "phantom"}
+    deq_cfg = {"enabled": deq, **DEQConfig().to_dict()}  # the defaults of conf/deq/true.yaml (paper settings)
     module = DKEFLitModule(dim, loss={"name": loss}, deq=deq_cfg, depth=depth, hidden=hidden, deq_width=deq_width)
     return module.to(device)
 

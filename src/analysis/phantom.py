@@ -163,9 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
     step = 0
     while step < args.steps:
         for x in loader:
-            x = x.to(dtype)
             if step >= args.steps:
                 break
+            x = x.to(dtype)
             if step % args.every == 0:
                 res = compare(model, x, ks, seed=args.seed + step)
                 for k, r in res.items():

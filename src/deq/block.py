@@ -38,7 +38,7 @@ class DEQBlock(nn.Module):
     - ``map_params(x)``: the tuple p, first the injection g(x) (its shape is the state's), built with autograd;
     - ``state_shape(x)``: the shape of z.
 
-    After each forward, ``last_stats = {"iterations", "residual" (max over samples, in the stopping metric),
+    After each forward, ``last_stats = {"iterations", "residual" (max over samples, absolute ‖f(z) − z‖),
     "converged"}``; in implicit mode ``last_backward_stats`` sums up the adjoint solves run since the last
     forward (``{"solves", "iterations" (max), "residual" (max), "converged"}``).
     """
