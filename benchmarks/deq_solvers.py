@@ -28,22 +28,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.data.datamodules import UCIDataModule  # noqa: E402
-from src.deq.block import DenseDEQBlock  # noqa: E402
-from src.deq.config import DEQConfig  # noqa: E402
-from src.deq.solvers import solve  # noqa: E402
-from src.models.dkef import DKEF  # noqa: E402
-from src.objectives.sm import sm  # noqa: E402
+from src.data.datamodules import UCIDataModule
+from src.deq.block import DenseDEQBlock
+from src.deq.config import DEQConfig
+from src.deq.solvers import solve
+from src.models.dkef import DKEF
+from src.objectives.sm import sm
 
 SOLVERS = ("picard", "anderson", "broyden")
-
-
-class _WithAlpha:
-    def __init__(self, dkef, alpha):
-        self.dkef, self.alpha = dkef, alpha
-
-    def log_density(self, x):
-        return self.dkef.log_density(x, alpha=self.alpha)
 
 
 def block_map(block: DenseDEQBlock, x: torch.Tensor):
@@ -116,7 +108,7 @@ def trained_dkef_block(root: str, steps: int, seed: int):
                 break
             half = x.shape[0] // 2
             alpha = model.fit_alpha(x[:half], "exact")
-            loss = sm(_WithAlpha(model, alpha), x[half:]).loss
+            loss = sm(model.with_alpha(alpha), x[half:]).loss
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -128,7 +120,7 @@ def trained_dkef_block(root: str, steps: int, seed: int):
         # one optimiser step of the whole model on x, then the block has new weights
         half = x.shape[0] // 2
         alpha = model.fit_alpha(x[:half], "exact")
-        loss = sm(_WithAlpha(model, alpha), x[half:]).loss
+        loss = sm(model.with_alpha(alpha), x[half:]).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

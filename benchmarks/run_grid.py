@@ -1,67 +1,112 @@
-"""Run a grid of `src.train` jobs and tabulate them (paper-table reproductions).
+"""Run a grid of `src.train` jobs and tabulate them next to the paper's tables.
 
-    python benchmarks/run_grid.py nice   --seeds 0,1,2 [--device cuda] [--root ../shared/data]
-    python benchmarks/run_grid.py dkef_uci --seeds 0 --epochs 30
+    python benchmarks/run_grid.py dkef --seeds 0,1,2 [--datasets redwine,gaussian200] [--steps 600] [--jobs 2]
+    python benchmarks/run_grid.py nice --seeds 0,1,2 [--device cuda] [--root ../shared/data]
 
-Each job is one `python -m src.train` process (the same command a user types) with its run directory under
-``--runs`` (default ``outputs/benchmarks/<grid>``); the table (mean ± std over seeds) and the raw metrics go
-to ``benchmarks/results/<grid>.md`` and ``.json``, with the commands and the machine they ran on.
+``dkef`` is the paper's Tables 2 (UCI: DSM, CP, SSM, SSM-VR with 3-layer features, SM with 3/8/16 layers,
+DEQ-SM, DEQ-SSM-VR) and 3 (Gaussian D = 100, 200: SM with 3/8/16 layers and DEQ-SM), ``nice`` its Table 4.
+Each job is one ``python -m src.train`` process (the command a user types; ``--steps`` adds
+``trainer.max_steps`` for a compute budget below the paper's epochs) with its run directory under ``--runs``
+(default ``outputs/benchmarks/<grid>``). ``--jobs N --threads T`` runs N jobs at once with T torch threads each.
+Results are rewritten after every job (``<grid>.json``: raw metrics, commands, machine; ``<grid>.md``: one
+table per data set, mean ± std over seeds, the paper's figures beside ours, the targets checked; plus the
+figures ``<grid>_fig*.png``) in ``--out`` (default ``benchmarks/results``). A job whose run directory already
+holds a ``metrics.json`` is not run again unless ``--rerun``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.report import summarise  # noqa: E402
+from src.report import summarise
 
 NICE_COLUMNS = [
     ("test/sm_loss", "test SM loss", 1), ("test/log_likelihood", "test LL (logit space)", 1),
     ("test/bits_per_dim", "bits/dim (pixels)", 3), ("n_params", "params", 0),
     ("profile/saved_bytes_mean", "saved MB/step", 1), ("profile/peak_cuda_bytes_max", "peak CUDA MB", 0),
     ("profile/time_per_step_s", "s/step", 4), ("profile/deq_iterations_mean", "DEQ iters", 1),
+    ("global_step", "steps", 0),
 ]
 DKEF_COLUMNS = [
     ("test/sm_loss", "test SM loss", 2), ("test/log_likelihood", "test LL", 2),
     ("test/fisher_divergence", "Fisher div.", 2), ("n_params", "params", 0),
-    ("profile/saved_bytes_mean", "saved MB/step", 1), ("profile/time_per_step_s", "s/step", 4),
-    ("profile/deq_iterations_mean", "DEQ iters", 1),
+    ("profile/saved_bytes_mean", "saved MB/step", 1), ("profile/peak_cuda_bytes_max", "peak CUDA MB", 0),
+    ("profile/time_per_step_s", "s/step", 4), ("profile/deq_iterations_mean", "DEQ iters", 1),
+    ("global_step", "steps", 0),
 ]
 
+# The paper's figures (Tables 2-4): (test SM loss, test LL[, Fisher div.], memory GB)
+PAPER = {
+    ("parkinsons", "DSM"): (-71.2, -15.7, None, 0.5), ("parkinsons", "CP"): (-33.7, -16.9, None, 0.7),
+    ("parkinsons", "SSM"): (-111.9, -15.1, None, 0.5), ("parkinsons", "SSM-VR"): (-121.1, -15.0, None, 0.5),
+    ("parkinsons", "DEQ-SSM-VR"): (-143.2, -12.9, None, 0.6), ("parkinsons", "SM 3-layer"): (-123.7, -15.1, None, 1.2),
+    ("parkinsons", "SM 8-layer"): (-124.8, -15.3, None, 2.1), ("parkinsons", "SM 16-layer"): (-127.6, -13.4, None, 3.6),
+    ("parkinsons", "DEQ-SM"): (-152.1, -12.4, None, 1.3),
+    ("redwine", "DSM"): (-24.8, -14.1, None, 0.4), ("redwine", "CP"): (-12.2, -15.3, None, 0.6),
+    ("redwine", "SSM"): (-27.2, -13.8, None, 0.5), ("redwine", "SSM-VR"): (-27.2, -13.8, None, 0.5),
+    ("redwine", "DEQ-SSM-VR"): (-42.9, -12.9, None, 0.6), ("redwine", "SM 3-layer"): (-27.2, -13.8, None, 1.0),
+    ("redwine", "SM 8-layer"): (-29.5, -13.5, None, 1.6), ("redwine", "SM 16-layer"): (-31.6, -12.7, None, 2.7),
+    ("redwine", "DEQ-SM"): (-44.5, -12.2, None, 1.1),
+    ("whitewine", "DSM"): (-17.8, -14.8, None, 0.4), ("whitewine", "CP"): (-10.3, -16.1, None, 0.6),
+    ("whitewine", "SSM"): (-33.7, -14.8, None, 0.5), ("whitewine", "SSM-VR"): (-33.7, -14.8, None, 0.5),
+    ("whitewine", "DEQ-SSM-VR"): (-43.7, -14.2, None, 0.6), ("whitewine", "SM 3-layer"): (-33.7, -14.8, None, 1.0),
+    ("whitewine", "SM 8-layer"): (-34.7, -14.4, None, 1.6), ("whitewine", "SM 16-layer"): (-35.5, -14.5, None, 2.7),
+    ("whitewine", "DEQ-SM"): (-45.01, -13.9, None, 1.1),
+    ("gaussian100", "SM 3-layer"): (-43.60, -141.25, 6.73, 3.8), ("gaussian100", "SM 8-layer"): (-43.86, -140.85, 6.56, 7.3),
+    ("gaussian100", "SM 16-layer"): (-44.92, -141.25, 6.84, 13.2), ("gaussian100", "DEQ-SM"): (-46.03, -138.86, 6.72, 3.9),
+    ("gaussian200", "SM 3-layer"): (-66.32, -314.22, 33.86, 5.0), ("gaussian200", "SM 8-layer"): (-66.99, -313.35, 33.09, 8.7),
+    ("gaussian200", "SM 16-layer"): (-67.58, -311.84, 32.27, 14.8), ("gaussian200", "DEQ-SM"): (-75.03, -292.56, 25.42, 5.6),
+    ("mnist", "SSM"): (-2455, -2058, None, 6.5), ("mnist", "DEQ-SSM"): (-2548, -1766, None, 5.5),
+}
+UCI = ("parkinsons", "redwine", "whitewine")
 
-def nice_grid(args) -> tuple[list[tuple[str, list[str]]], list]:
+
+def nice_grid(args) -> list[dict]:
     base = ["experiment=nice_mnist", "loss=ssm", f"data.root={args.root}"]
-    jobs = [
-        ("SSM", [*base, "deq=false"]),
-        ("DEQ-SSM", [*base, "deq=true"]),
+    return [
+        {"group": "mnist", "method": "SSM", "overrides": [*base, "deq=false"]},
+        {"group": "mnist", "method": "DEQ-SSM", "overrides": [*base, "deq=true"]},
         # two dense layers inside each coupling's DEQ map, as the paper authors' code (~11M parameters)
-        ("DEQ-SSM (2 layers in f)", [*base, "deq=true", "depth=2"]),
+        {"group": "mnist", "method": "DEQ-SSM (2 layers in f)", "overrides": [*base, "deq=true", "depth=2"]},
+        # W / (λ‖W‖₂) instead of W / (λ‖W‖_F): a 1000-wide map that contracts at ≈ 1/λ, not ≈ 0.03
+        {"group": "mnist", "method": "DEQ-SSM (spectral norm)", "overrides": [*base, "deq=true", "deq.norm=spectral"]},
     ]
-    return jobs, NICE_COLUMNS
 
 
-def dkef_uci_grid(args):
+def dkef_grid(args) -> list[dict]:
     jobs = []
     for data in args.datasets.split(","):
-        base = ["experiment=dkef_uci", f"data={data}", f"data.root={args.root}", f"trainer.max_epochs={args.epochs}"]
-        for loss in ("dsm", "cp", "ssm", "ssm_vr"):
-            jobs.append((f"{data} {loss.upper()} (3-layer)", [*base, f"loss={loss}", "deq=false", "depth=3"]))
-        for depth in (3, 8, 16):
-            jobs.append((f"{data} SM {depth}-layer", [*base, "loss=sm", "deq=false", f"depth={depth}"]))
-        jobs.append((f"{data} DEQ-SM", [*base, "loss=sm", "deq=true"]))
-        jobs.append((f"{data} DEQ-SSM-VR", [*base, "loss=ssm_vr", "deq=true"]))
-    return jobs, DKEF_COLUMNS
+        if data in UCI:
+            base = ["experiment=dkef_uci", f"data={data}", f"data.root={args.root}"]
+            methods = [(name, [f"loss={loss}", "deq=false", "depth=3"])
+                       for name, loss in (("DSM", "dsm"), ("CP", "cp"), ("SSM", "ssm"), ("SSM-VR", "ssm_vr"))]
+            methods.append(("DEQ-SSM-VR", ["loss=ssm_vr", "deq=true"]))
+        elif data.startswith("gaussian") and data[len("gaussian"):].isdigit():
+            base = ["experiment=dkef_gaussian", f"data.dim={int(data[len('gaussian'):])}"]
+            methods = []
+        else:
+            raise SystemExit(f"unknown data set {data!r}: use {', '.join(UCI)} or gaussian<D> (e.g. gaussian200)")
+        if args.epochs is not None:
+            base.append(f"trainer.max_epochs={args.epochs}")
+        methods += [(f"SM {d}-layer", ["loss=sm", "deq=false", f"depth={d}"]) for d in (3, 8, 16)]
+        methods.append(("DEQ-SM", ["loss=sm", "deq=true"]))
+        jobs += [{"group": data, "method": name, "overrides": [*base, *ov]} for name, ov in methods]
+    return jobs
 
 
-GRIDS = {"nice": nice_grid, "dkef_uci": dkef_uci_grid}
+GRIDS = {"nice": (nice_grid, NICE_COLUMNS), "dkef": (dkef_grid, DKEF_COLUMNS)}
 
 
 def fmt(values, digits, key):
@@ -73,69 +118,230 @@ def fmt(values, digits, key):
     return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if n > 1 else "")
 
 
+def mean_of(results, group, method, key):
+    m, _, n = summarise([r["metrics"].get(key) for r in results if r["ok"] and r["group"] == group
+                         and r["method"] == method])
+    return m if n else None
+
+
+def target_lines(results) -> list[str]:
+    """The issue's targets for DEQ-SM DKEF, checked on what has run (each line: met / missed, by how much)."""
+    lines = []
+
+    def verdict(ok):
+        return "met" if ok else "MISSED"
+
+    for g in dict.fromkeys(r["group"] for r in results):
+        deq = {k: mean_of(results, g, "DEQ-SM", k) for k in
+               ("test/sm_loss", "test/log_likelihood", "profile/saved_bytes_mean", "profile/time_per_step_s",
+                "test/fisher_divergence", "test/true_log_likelihood")}
+        if deq["test/sm_loss"] is None:
+            continue
+        d16 = {k: mean_of(results, g, "SM 16-layer", k) for k in deq}
+        d3 = {k: mean_of(results, g, "SM 3-layer", k) for k in deq}
+        if g in UCI and d16["test/sm_loss"] is not None:
+            ok = deq["test/sm_loss"] < d16["test/sm_loss"] and deq["test/log_likelihood"] > d16["test/log_likelihood"]
+            lines.append(f"- {g}: DEQ-SM beats 16-layer on SM loss and LL — {verdict(ok)} "
+                         f"(SM {deq['test/sm_loss']:.2f} vs {d16['test/sm_loss']:.2f}; "
+                         f"LL {deq['test/log_likelihood']:.2f} vs {d16['test/log_likelihood']:.2f})")
+        mem, t = deq["profile/saved_bytes_mean"], deq["profile/time_per_step_s"]
+        if mem and d3["profile/saved_bytes_mean"]:
+            r = mem / d3["profile/saved_bytes_mean"]
+            lines.append(f"- {g}: saved bytes DEQ / 3-layer = {r:.2f} (target ≤ 1.1: {verdict(r <= 1.1)})")
+        if mem and d16["profile/saved_bytes_mean"]:
+            r = mem / d16["profile/saved_bytes_mean"]
+            lines.append(f"- {g}: saved bytes DEQ / 16-layer = {r:.2f} (target ≤ 0.25: {verdict(r <= 0.25)})")
+        if t and d16["profile/time_per_step_s"]:
+            r = t / d16["profile/time_per_step_s"]
+            lines.append(f"- {g}: time per step DEQ / 16-layer = {r:.2f} (target ≤ 0.3: {verdict(r <= 0.3)})")
+        if g == "gaussian200" and deq["test/true_log_likelihood"] is not None:
+            gap = deq["test/true_log_likelihood"] - deq["test/log_likelihood"]
+            fisher = deq["test/fisher_divergence"]
+            lines.append(f"- {g}: LL {deq['test/log_likelihood']:.2f} vs ground truth "
+                         f"{deq['test/true_log_likelihood']:.2f}: gap {gap:.2f} nats (target ≤ 10: {verdict(gap <= 10)}); "
+                         f"Fisher divergence {fisher:.2f} (target ≤ 25.42: {verdict(fisher <= 25.42)})")
+    return lines
+
+
+def to_markdown(results, columns, meta) -> str:
+    lines = [f"Command: `{meta['command']}`", "",
+             f"Machine: {meta['machine']}; device {meta['device']}; python {meta['python']}; torch {meta.get('torch')}; "
+             f"{meta['parallel_jobs']} job(s) at once, {meta['threads_per_job'] or 'default'} torch thread(s) each"
+             + (f"; GPU {meta['gpu']}" if meta.get("gpu") else ""), ""]
+    for g in dict.fromkeys(r["group"] for r in results):
+        rows = [r for r in results if r["group"] == g]
+        has = [(k, t, d) for k, t, d in columns if any(r["metrics"].get(k) is not None for r in rows)]
+        head = ["method", "seeds", *(t for _, t, _ in has), "paper SM / LL" + (" / Fisher" if "gaussian" in g else "")
+                + " / GB"]
+        lines += [f"### {g}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for method in dict.fromkeys(r["method"] for r in rows):
+            ok = [r for r in rows if r["method"] == method and r["ok"]]
+            paper = PAPER.get((g, method))
+            ptxt = " / ".join(f"{v:g}" for v in paper if v is not None) if paper else "—"
+            cells = [method, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has] + [ptxt]
+            lines.append("| " + " | ".join(cells) + " |")
+        true_ll = mean_of(results, g, "DEQ-SM", "test/true_log_likelihood")
+        if true_ll is not None:
+            lines += ["", f"Ground-truth test log-likelihood: {true_ll:.2f}"]
+        lines.append("")
+    targets = target_lines(results)
+    if targets:
+        lines += ["### Targets (DEQ-SM DKEF)", "", *targets, ""]
+    failed = [r for r in results if not r["ok"]]
+    if failed:
+        lines += ["### Failed jobs", ""] + [f"- {r['group']} {r['method']} seed {r['seed']}: {r.get('error', '')[:300]}"
+                                            for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, out: Path, stem: str) -> list[Path]:
+    """Figures 2 and 3 of the paper: per data set, bars of test SM loss, test LL (Fisher div.) and memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    groups = list(dict.fromkeys(r["group"] for r in results if r["ok"]))
+    for name, gs in (("fig2_uci", [g for g in groups if g in UCI]),
+                     ("fig3_gaussian", [g for g in groups if g.startswith("gaussian")]),
+                     ("mnist", [g for g in groups if g == "mnist"])):
+        if not gs:
+            continue
+        keys = [("test/sm_loss", "test SM loss ↓"), ("test/log_likelihood", "test LL ↑")]
+        if name.startswith("fig3"):
+            keys.append(("test/fisher_divergence", "Fisher div. ↓"))
+        keys += [("profile/saved_bytes_mean", "saved MB / step ↓"), ("profile/time_per_step_s", "s / step ↓")]
+        fig, axes = plt.subplots(len(gs), len(keys), figsize=(3.2 * len(keys), 2.6 * len(gs)), squeeze=False)
+        for i, g in enumerate(gs):
+            methods = list(dict.fromkeys(r["method"] for r in results if r["group"] == g and r["ok"]))
+            for j, (key, title) in enumerate(keys):
+                ax = axes[i][j]
+                vals = []
+                for m in methods:
+                    mu, sd, n = summarise([r["metrics"].get(key) for r in results
+                                           if r["ok"] and r["group"] == g and r["method"] == m])
+                    scale = 1e6 if "bytes" in key else 1.0
+                    vals.append((mu / scale if n else 0.0, sd / scale if n else 0.0))
+                colors = ["C3" if m.startswith("DEQ") else "C0" for m in methods]
+                ax.bar(range(len(methods)), [v for v, _ in vals], yerr=[s for _, s in vals], color=colors)
+                ax.set_xticks(range(len(methods)))
+                ax.set_xticklabels(methods, rotation=60, ha="right", fontsize=7)
+                ax.set_title(f"{g}: {title}", fontsize=8)
+        fig.tight_layout()
+        p = out / f"{stem}_{name}.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        written.append(p)
+    return written
+
+
+def run_job(job, seed, args, runs: Path, env) -> dict:
+    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{job['group']}_{job['method']}")
+    run_dir = runs / f"{safe}_seed{seed}"
+    cmd = [sys.executable, "-m", "src.train", *job["overrides"], f"seed={seed}", "logger=csv",
+           "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]
+    if args.steps is not None:
+        cmd.append(f"trainer.max_steps={args.steps}")
+    if args.device == "cuda":
+        cmd.append("trainer=gpu")
+    cmd += args.extra.split()
+    record = {"group": job["group"], "method": job["method"], "seed": seed,
+              "command": "python -m src.train " + " ".join(cmd[3:]), "run_dir": str(run_dir)}
+    t0 = time.time()
+    done = run_dir / "metrics.json"
+    if done.exists() and not args.rerun:
+        record["reused"] = True
+        ov_file = run_dir / ".hydra" / "overrides.yaml"
+        if ov_file.exists():  # the command that produced it, which may differ from this call's (--steps, --extra)
+            import yaml
+
+            record["command"] = "python -m src.train " + " ".join(map(str, yaml.safe_load(ov_file.read_text()) or []))
+    else:
+        done.unlink(missing_ok=True)
+        proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            record["error"] = proc.stderr[-2000:]
+    record["wall_s"] = time.time() - t0
+    record["ok"] = done.exists() and "error" not in record
+    metrics = json.loads(done.read_text()) if record["ok"] else {}
+    metrics.pop("config", None)
+    record["metrics"] = metrics
+    return record
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("grid", choices=sorted(GRIDS))
     p.add_argument("--seeds", default="0")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--root", default=str(ROOT.parent / "shared" / "data"))
-    p.add_argument("--epochs", type=int, default=300, help="dkef grids: trainer.max_epochs")
-    p.add_argument("--datasets", default="parkinsons,redwine,whitewine")
+    p.add_argument("--epochs", type=int, default=None, help="trainer.max_epochs (default: the experiment's)")
+    p.add_argument("--steps", type=int, default=None, help="trainer.max_steps: a budget below the paper's epochs")
+    p.add_argument("--datasets", default="parkinsons,redwine,whitewine,gaussian100,gaussian200",
+                   help="dkef grid: UCI names and gaussian<D>")
+    p.add_argument("--methods", default="", help="comma-separated method names to run (default: all of the grid)")
+    p.add_argument("--jobs", type=int, default=1, help="jobs run at once")
+    p.add_argument("--threads", type=int, default=None, help="torch threads per job (OMP_NUM_THREADS)")
     p.add_argument("--runs", type=Path, default=None)
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    p.add_argument("--methods", default="", help="comma-separated labels to run (default: all of the grid)")
+    p.add_argument("--name", default=None, help="result file stem (default: the grid, + _cuda on GPU)")
+    p.add_argument("--rerun", action="store_true", help="run jobs again even if their metrics.json exists")
     p.add_argument("--extra", default="", help="extra overrides for every job, space separated")
     args = p.parse_args(argv)
-    jobs, columns = GRIDS[args.grid](args)
+    grid_fn, columns = GRIDS[args.grid]
+    jobs = grid_fn(args)
     if args.methods:
         wanted = set(args.methods.split(","))
-        jobs = [j for j in jobs if j[0] in wanted]
+        unknown = wanted - {j["method"] for j in jobs}
+        if unknown:
+            raise SystemExit(f"unknown method(s) {sorted(unknown)}; this grid has {sorted({j['method'] for j in jobs})}")
+        jobs = [j for j in jobs if j["method"] in wanted]
     runs = args.runs or ROOT / "outputs" / "benchmarks" / args.grid
     seeds = [int(s) for s in args.seeds.split(",")]
-    results = []
-    for label, overrides in jobs:
-        for seed in seeds:
-            safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in label)
-            run_dir = runs / f"{safe}_seed{seed}"
-            cmd = [sys.executable, "-m", "src.train", *overrides, f"seed={seed}", "logger=csv",
-                   "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}", *args.extra.split()]
-            if args.device == "cuda":
-                cmd.append("trainer=gpu")
-            t0 = time.time()
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-            wall = time.time() - t0
-            ok = proc.returncode == 0 and (run_dir / "metrics.json").exists()
-            metrics = json.loads((run_dir / "metrics.json").read_text()) if ok else {}
-            metrics.pop("config", None)
-            print(f"{label} seed={seed}: {'ok' if ok else 'FAILED'} in {wall:.0f}s", flush=True)
-            if not ok:
-                print(proc.stderr[-2000:], flush=True)
-            results.append({"label": label, "seed": seed, "ok": ok, "wall_s": wall,
-                            "command": "python -m src.train " + " ".join(cmd[3:]), "metrics": metrics})
-    meta = {"machine": f"{platform.machine()}, {platform.node()}", "device": args.device, "python": platform.python_version(),
+    env = dict(os.environ)
+    if args.threads:
+        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.node()}", "device": args.device,
+            "python": platform.python_version(), "parallel_jobs": args.jobs, "threads_per_job": args.threads,
             "command": "python benchmarks/run_grid.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     try:
         import torch
 
         meta["torch"] = torch.__version__
-        meta["threads"] = torch.get_num_threads()
         if args.device == "cuda":
             meta["gpu"] = torch.cuda.get_device_name(0)
-    except Exception:  # noqa: BLE001
-        pass
+    except (ImportError, RuntimeError) as exc:  # the table still gets written, without these two fields
+        print(f"torch version / GPU name unavailable: {exc}", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
-    suffix = "" if args.device == "cpu" else f"_{args.device}"
-    (args.out / f"{args.grid}{suffix}.json").write_text(json.dumps({"meta": meta, "jobs": results}, indent=2))
-    labels = list(dict.fromkeys(r["label"] for r in results))
-    head = ["method", "seeds", *(t for _, t, _ in columns)]
-    lines = [f"Command: `{meta['command']}` — {meta}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for label in labels:
-        rows = [r for r in results if r["label"] == label and r["ok"]]
-        cells = [label, str(len(rows))] + [fmt([r["metrics"].get(k) for r in rows], d, k) for k, _, d in columns]
-        lines.append("| " + " | ".join(cells) + " |")
-    md = "\n".join(lines) + "\n"
-    (args.out / f"{args.grid}{suffix}.md").write_text(md)
-    print(md)
+    stem = args.name or (args.grid + ("" if args.device == "cpu" else f"_{args.device}"))
+    tasks = [(job, seed) for job in jobs for seed in seeds]
+    results: list[dict | None] = [None] * len(tasks)
+    lock = threading.Lock()
+
+    def write():
+        done = [r for r in results if r is not None]
+        (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "jobs": done}, indent=2))
+        (args.out / f"{stem}.md").write_text(to_markdown(done, columns, meta))
+
+    def work(i):
+        job, seed = tasks[i]
+        rec = run_job(job, seed, args, runs, env)
+        with lock:
+            results[i] = rec
+            state = "reused" if rec.get("reused") else ("ok" if rec["ok"] else "FAILED")
+            print(f"{job['group']} {job['method']} seed={seed}: {state} in {rec['wall_s']:.0f}s", flush=True)
+            if not rec["ok"]:
+                print(rec.get("error", "")[-1500:], flush=True)
+            write()
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        list(pool.map(work, range(len(tasks))))
+    done = [r for r in results if r is not None]
+    figures = plot(done, args.out, stem)
+    write()
+    print((args.out / f"{stem}.md").read_text())
+    print("wrote", args.out / f"{stem}.json", args.out / f"{stem}.md", *figures)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ def install() -> None:
     original = defaults_list.Overrides.__init__
 
     @functools.wraps(original)
-    def __init__(self, repo, overrides_list):  # noqa: N807
+    def __init__(self, repo, overrides_list):
         for override in overrides_list:
             if override.is_sweep_override() or not repo.group_exists(override.key_or_group):
                 continue

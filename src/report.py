@@ -106,7 +106,7 @@ def to_markdown(report: dict) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in report["rows"]:
         cells = [r["group"][k] for k in report["keys"]] + [str(r["n_seeds"])]
-        cells += [_fmt(k, **{"m": r["metrics"][k]["mean"], "s": r["metrics"][k]["std"], "n": r["metrics"][k]["n"]})
+        cells += [_fmt(k, m=r["metrics"][k]["mean"], s=r["metrics"][k]["std"], n=r["metrics"][k]["n"])
                   for k, _ in cols]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -84,7 +84,7 @@ def validate_config(cfg: DictConfig) -> None:
 def _output_dir(cfg: DictConfig) -> Path:
     try:
         return Path(cfg.paths.output_dir)
-    except Exception:  # composed without a Hydra run (tests): fall back to the trainer's root dir
+    except Exception:  # noqa: BLE001  composed without a Hydra run (tests): fall back to the trainer's root dir
         return Path(cfg.trainer.get("default_root_dir") or ".")
 
 

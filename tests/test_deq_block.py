@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from src.deq.block import ConvDEQBlock, DenseDEQBlock, ResidualDEQBlock
 from src.deq.config import DEQConfig
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
@@ -211,3 +210,56 @@ def test_implicit_backward_stats_record_the_adjoint_solves():
     # the score's adjoint (order 1); for the loss: the adjoint of that adjoint (order 2) and a fresh order-1
     # adjoint for z*'s own dependence on θ
     assert b["solves"] == 3 and b["converged"] and b["residual"] <= 1e-10
+
+
+# ------------------------------------------------------------------------------ spectral normalization
+def test_spectral_normalize_matches_the_exact_spectral_norm_and_its_gradient():
+    from src.deq.normalization import spectral_normalize
+
+    torch.manual_seed(0)
+    w = torch.randn(30, 20, dtype=torch.float64, requires_grad=True)
+    u = F.normalize(torch.randn(30, dtype=torch.float64), dim=0)
+    g = torch.randn(30, 20, dtype=torch.float64)
+    w_n = spectral_normalize(w, u, 2.0, n_power_iterations=500)
+    ref = w / (2.0 * torch.linalg.matrix_norm(w, ord=2))  # independent reference: SVD
+    assert torch.linalg.matrix_norm(w_n.detach(), ord=2).item() == pytest.approx(0.5, rel=1e-10)
+    torch.testing.assert_close(w_n, ref, rtol=1e-10, atol=1e-12)
+    (grad,) = torch.autograd.grad((w_n * g).sum(), w)
+    (grad_ref,) = torch.autograd.grad((ref * g).sum(), w)
+    torch.testing.assert_close(grad, grad_ref, rtol=1e-8, atol=1e-10)
+    # evaluation: u is left alone, so repeated calls agree exactly
+    u0 = u.clone()
+    spectral_normalize(w.detach() + 0.1, u, 2.0, update=False)
+    assert torch.equal(u, u0)
+
+
+def test_spectral_block_contracts_at_its_rate_and_passes_gradcheck():
+    torch.manual_seed(0)
+    frob = DenseDEQBlock(3, 40, config=DEQConfig(tol=1e-12, max_iter=500)).double()
+    spec = DenseDEQBlock(3, 40, config=DEQConfig(norm="spectral", tol=1e-12, max_iter=500,
+                                                 backward="implicit")).double()
+    spec.load_state_dict(frob.state_dict(), strict=False)  # same W and injection
+    spec.sn_u0.copy_(F.normalize(torch.randn(40, dtype=torch.float64), dim=0))
+    for _ in range(100):  # training-mode calls track the top singular vector
+        spec.map_params(torch.zeros(1, 3, dtype=torch.float64))
+    w_spec = spec.map_params(torch.zeros(1, 3, dtype=torch.float64))[1].detach()
+    w_frob = frob.map_params(torch.zeros(1, 3, dtype=torch.float64))[1].detach()
+    assert torch.linalg.matrix_norm(w_spec, ord=2).item() == pytest.approx(0.5, rel=1e-6)
+    # Frobenius: a 40-wide random W contracts much faster than 1/λ (‖W‖_2 ≪ ‖W‖_F)
+    assert torch.linalg.matrix_norm(w_frob, ord=2).item() < 0.2
+    spec.eval()
+    x = torch.randn(4, 3, dtype=torch.float64)
+    z = spec(x)
+    inj, w = spec.map_params(x)
+    torch.testing.assert_close(z, F.softplus(z @ w.T + inj), rtol=0, atol=1e-10)  # a fixed point
+    # exact implicit derivatives (first and second order) through the spectrally normalized map
+    xg = x[:2].clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(spec, (xg,))
+    assert torch.autograd.gradgradcheck(spec, (xg,))
+
+
+def test_spectral_norm_is_refused_for_conv_blocks_and_unknown_norms():
+    with pytest.raises(ValueError, match="dense DEQ blocks only"):
+        ConvDEQBlock(2, 4, config=DEQConfig(norm="spectral"))
+    with pytest.raises(ValueError, match="deq.norm='bogus' is unknown"):
+        DEQConfig(norm="bogus")

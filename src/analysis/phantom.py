@@ -43,17 +43,9 @@ def set_mode(model: torch.nn.Module, backward: str, k: int | None = None) -> Non
             block.config.phantom_steps = k
 
 
-class _WithAlpha:
-    def __init__(self, dkef: DKEF, alpha: torch.Tensor):
-        self.dkef, self.alpha = dkef, alpha
-
-    def log_density(self, x):
-        return self.dkef.log_density(x, alpha=self.alpha)
-
-
 def param_grad(model: DKEF, x_fit, x_loss, loss: str, v: torch.Tensor | None) -> torch.Tensor:
     alpha = model.fit_alpha(x_fit, "exact" if loss == "sm" else "sliced", n_projections=1)
-    target = _WithAlpha(model, alpha)
+    target = model.with_alpha(alpha)
     if loss == "sm":
         out = sm(target, x_loss, trace_route="loop")
     else:
@@ -178,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
             set_mode(model, "phantom", 2)
             half = x.shape[0] // 2
             alpha = model.fit_alpha(x[:half], "exact")
-            loss = sm(_WithAlpha(model, alpha), x[half:]).loss
+            loss = sm(model.with_alpha(alpha), x[half:]).loss
             opt.zero_grad()
             loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 100.0)

@@ -23,7 +23,6 @@ import lightning.pytorch as L
 import torch
 
 
-
 def _storage_key(t: torch.Tensor):
     try:
         return (t.device.type, t.untyped_storage().data_ptr())

@@ -22,7 +22,7 @@ from torch import nn
 from src.deq.config import DEQConfig
 from src.deq.implicit import fixed_point
 from src.deq.maps import ConvMap, ResidualMap, dense_map
-from src.deq.normalization import conv_lipschitz_factor, frobenius_normalize
+from src.deq.normalization import conv_lipschitz_factor, frobenius_normalize, spectral_normalize
 from src.deq.solvers import SolverResult, solve
 
 __all__ = ["ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "ResidualDEQBlock", "dense_map"]
@@ -172,8 +172,9 @@ class DEQBlock(nn.Module):
 class DenseDEQBlock(DEQBlock):
     """Dense block, eq. 5: f(z; x) = Softplus(W z + g(x)), or ``n_layers`` such layers composed
     (Softplus(W_L … Softplus(W_1 z + g(x)) … + b_L); layer 1 gets the injection g, default
-    ``nn.Linear(in_dim, width)``). Every W_i is Frobenius-normalized (§3.2), so f contracts at rate ≤ λ^(−L).
-    ``[B, in_dim] -> [B, width]``."""
+    ``nn.Linear(in_dim, width)``). Every W_i is Frobenius-normalized (§3.2), so f contracts at rate ≤ λ^(−L);
+    with ``config.norm="spectral"`` each W_i is divided by λ times its spectral norm (power iteration, one step
+    per training call, buffers ``sn_u*``) instead. ``[B, in_dim] -> [B, width]``."""
 
     def __init__(self, in_dim: int, width: int, n_layers: int = 1, injection: nn.Module | None = None,
                  config: DEQConfig | None = None, name: str = "deq"):
@@ -187,13 +188,22 @@ class DenseDEQBlock(DEQBlock):
         )
         self.biases = nn.ParameterList(nn.Parameter(torch.zeros(width)) for _ in range(self.n_layers - 1))
         self.phi = dense_map
+        if self.config.norm == "spectral":
+            for i, w in enumerate(self.weights):
+                u = torch.nn.functional.normalize(torch.randn(width), dim=0)
+                self.register_buffer(f"sn_u{i}", u)
+                spectral_normalize(w.detach(), u, 2.0, n_power_iterations=50)  # start u near the top singular vector
 
     def state_shape(self, x):
         return (x.shape[0], self.width)
 
     def map_params(self, x):
         lam = self.config.norm_lambda
-        ws = [frobenius_normalize(w, lam) for w in self.weights]
+        if self.config.norm == "spectral":
+            ws = [spectral_normalize(w, getattr(self, f"sn_u{i}"), lam, update=self.training and torch.is_grad_enabled())
+                  for i, w in enumerate(self.weights)]
+        else:
+            ws = [frobenius_normalize(w, lam) for w in self.weights]
         rest = []
         for w, b in zip(ws[1:], self.biases):
             rest += [w, b]
@@ -204,6 +214,12 @@ def _odd(kernel_size: int) -> int:
     if int(kernel_size) % 2 != 1:
         raise ValueError(f"kernel_size must be odd (same padding keeps the state's size), got {kernel_size}")
     return int(kernel_size)
+
+
+def _frobenius_only(config: DEQConfig) -> None:
+    if config.norm != "frobenius":
+        raise ValueError(f"deq.norm={config.norm!r} is implemented for dense DEQ blocks only; convolutional blocks "
+                         "use the Frobenius normalization (deq.norm=frobenius)")
 
 
 def _conv_normalize(kernel: torch.Tensor, norm_lambda: float, lipschitz_safe: bool) -> torch.Tensor:
@@ -222,6 +238,7 @@ class ConvDEQBlock(DEQBlock):
     def __init__(self, in_channels: int, channels: int, kernel_size: int = 3, injection: nn.Module | None = None,
                  config: DEQConfig | None = None, name: str = "deq", lipschitz_safe: bool = True):
         super().__init__(config, name)
+        _frobenius_only(self.config)
         k = _odd(kernel_size)
         self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
         self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)
@@ -244,6 +261,7 @@ class ResidualDEQBlock(DEQBlock):
     def __init__(self, in_channels: int, channels: int, kernel_size: int = 3, injection: nn.Module | None = None,
                  config: DEQConfig | None = None, name: str = "deq", lipschitz_safe: bool = True):
         super().__init__(config, name)
+        _frobenius_only(self.config)
         k = _odd(kernel_size)
         self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
         self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)

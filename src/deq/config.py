@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 SOLVERS = ("picard", "anderson", "broyden")
 BACKWARDS = ("phantom", "implicit")
 STOP_MODES = ("abs", "rel")
+NORMS = ("frobenius", "spectral")
 
 
 @dataclass
@@ -18,6 +19,7 @@ class DEQConfig:
     phantom_steps: int = 2
     warm_start: bool = True
     norm_lambda: float = 2.0
+    norm: str = "frobenius"
     backward: str = "phantom"
     anderson_m: int = 5
     anderson_beta: float = 1.0
@@ -29,6 +31,8 @@ class DEQConfig:
             raise ValueError(f"deq.backward={self.backward!r} is unknown; valid: {', '.join(BACKWARDS)}")
         if self.stop_mode not in STOP_MODES:
             raise ValueError(f"deq.stop_mode={self.stop_mode!r} is unknown; valid: {', '.join(STOP_MODES)}")
+        if self.norm not in NORMS:
+            raise ValueError(f"deq.norm={self.norm!r} is unknown; valid: {', '.join(NORMS)}")
         if float(self.norm_lambda) <= 1.0:
             raise ValueError(
                 f"deq.norm_lambda={self.norm_lambda} is invalid: it must be > 1 so that the DEQ map is a "

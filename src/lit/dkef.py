@@ -22,16 +22,6 @@ from src.objectives.base import ObjectiveOutput
 AUTO_ALPHA_FIT = {"sm": "exact", "ssm": "sliced", "ssm_vr": "sliced", "cp": "sliced", "dsm": "dsm"}
 
 
-class _WithAlpha:
-    """The DKEF density with a given (differentiable) α, as the objectives see it."""
-
-    def __init__(self, dkef: DKEF, alpha: torch.Tensor):
-        self.dkef, self.alpha = dkef, alpha
-
-    def log_density(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dkef.log_density(x, alpha=self.alpha)
-
-
 class DKEFLitModule(ScoreMatchingModule):
     def __init__(
         self,
@@ -95,7 +85,7 @@ class DKEFLitModule(ScoreMatchingModule):
         half = x.shape[0] // 2
         x_fit, x_loss = x[:half], x[half:]
         alpha = self.net.fit_alpha(x_fit, self.alpha_fit, **self._alpha_kwargs())
-        return self.objective(_WithAlpha(self.net, alpha), x_loss)
+        return self.objective(self.net.with_alpha(alpha), x_loss)
 
     def refit_alpha(self) -> None:
         """Exact α on (up to) ``alpha_fit_points`` training points, stored in the model for evaluation."""

@@ -36,6 +36,16 @@ from src.models.features import build_feature_net
 ALPHA_FIT_MODES = ("exact", "sliced", "dsm")
 
 
+class DKEFWithAlpha:
+    """The DKEF density with a given (possibly differentiable) α, as the objectives see it (``log_density(x)``)."""
+
+    def __init__(self, dkef: DKEF, alpha: torch.Tensor):
+        self.dkef, self.alpha = dkef, alpha
+
+    def log_density(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dkef.log_density(x, alpha=self.alpha)
+
+
 class DKEF(nn.Module):
     def __init__(
         self,
@@ -101,6 +111,10 @@ class DKEF(nn.Module):
             sq = u.pow(2).sum(-1, keepdim=True) - 2 * u @ uz.T + uz.pow(2).sum(-1)
             out = out + rho[r] * torch.exp(-sq / (2 * bw))
         return out
+
+    def with_alpha(self, alpha: torch.Tensor) -> DKEFWithAlpha:
+        """This density with the kernel weights ``alpha`` (e.g. fitted on another half-batch, eq. of App. D.1)."""
+        return DKEFWithAlpha(self, alpha)
 
     def log_density(self, x: torch.Tensor, alpha: torch.Tensor | None = None) -> torch.Tensor:
         """Unnormalised log p̃(x), [N]. Uses the stored α unless one is given (training)."""

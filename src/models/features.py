@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 
-
 def deq_config_from_mapping(cfg: Mapping | None):
     """Build a ``src.deq.config.DEQConfig`` from the ``deq`` config group (its ``enabled`` flag is not part of it)."""
     from src.deq.config import DEQConfig
