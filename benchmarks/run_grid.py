@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import threading
@@ -78,6 +79,8 @@ def nice_grid(args) -> list[dict]:
     return [
         {"group": "mnist", "method": "SSM", "overrides": [*base, "deq=false"]},
         {"group": "mnist", "method": "DEQ-SSM", "overrides": [*base, "deq=true"]},
+        # the explicit net a Frobenius-normalized wide DEQ nearly reduces to: injection + read-out
+        {"group": "mnist", "method": "SSM (2 layers)", "overrides": [*base, "deq=false", "depth=2"]},
         # two dense layers inside each coupling's DEQ map, as the paper authors' code (~11M parameters)
         {"group": "mnist", "method": "DEQ-SSM (2 layers in f)", "overrides": [*base, "deq=true", "depth=2"]},
         # W / (λ‖W‖₂) instead of W / (λ‖W‖_F): a 1000-wide map that contracts at ≈ 1/λ, not ≈ 0.03
@@ -102,6 +105,9 @@ def dkef_grid(args) -> list[dict]:
             base.append(f"trainer.max_epochs={args.epochs}")
         methods += [(f"SM {d}-layer", ["loss=sm", "deq=false", f"depth={d}"]) for d in (3, 8, 16)]
         methods.append(("DEQ-SM", ["loss=sm", "deq=true"]))
+        if args.variants:  # beyond the paper: a DEQ as narrow as the explicit nets, and one phantom step
+            methods += [("DEQ-SM (width 30)", ["loss=sm", "deq=true", "model.deq_width=30"]),
+                        ("DEQ-SM (width 30 K=1)", ["loss=sm", "deq=true", "model.deq_width=30", "deq.phantom_steps=1"])]
         jobs += [{"group": data, "method": name, "overrides": [*base, *ov]} for name, ov in methods]
     return jobs
 
@@ -168,6 +174,10 @@ def to_markdown(results, columns, meta) -> str:
              f"Machine: {meta['machine']}; device {meta['device']}; python {meta['python']}; torch {meta.get('torch')}; "
              f"{meta['parallel_jobs']} job(s) at once, {meta['threads_per_job'] or 'default'} torch thread(s) each"
              + (f"; GPU {meta['gpu']}" if meta.get("gpu") else ""), ""]
+    if meta.get("collect"):
+        lines += ["Collected from finished runs (`--collect`): the grids that ran them are "
+                  + "; ".join(f"`{c}`" for c in meta.get("grid_commands", [])) + ". Each job's own `src.train` "
+                  "command is in the JSON.", ""]
     for g in dict.fromkeys(r["group"] for r in results):
         rows = [r for r in results if r["group"] == g]
         has = [(k, t, d) for k, t, d in columns if any(r["metrics"].get(k) is not None for r in rows)]
@@ -225,6 +235,10 @@ def plot(results, out: Path, stem: str) -> list[Path]:
                     vals.append((mu / scale if n else 0.0, sd / scale if n else 0.0))
                 colors = ["C3" if m.startswith("DEQ") else "C0" for m in methods]
                 ax.bar(range(len(methods)), [v for v, _ in vals], yerr=[s for _, s in vals], color=colors)
+                if key == "test/log_likelihood" and vals:  # differences of a few nats: do not start at 0
+                    lo, hi = min(v for v, _ in vals), max(v for v, _ in vals)
+                    pad = 0.1 * (hi - lo) + 0.5
+                    ax.set_ylim(lo - pad, hi + pad)
                 ax.set_xticks(range(len(methods)))
                 ax.set_xticklabels(methods, rotation=60, ha="right", fontsize=7)
                 ax.set_title(f"{g}: {title}", fontsize=8)
@@ -236,9 +250,13 @@ def plot(results, out: Path, stem: str) -> list[Path]:
     return written
 
 
-def run_job(job, seed, args, runs: Path, env) -> dict:
+def run_dir_of(runs: Path, job: dict, seed: int) -> Path:
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{job['group']}_{job['method']}")
-    run_dir = runs / f"{safe}_seed{seed}"
+    return runs / f"{safe}_seed{seed}"
+
+
+def run_job(job, seed, args, runs: Path, env) -> dict:
+    run_dir = run_dir_of(runs, job, seed)
     cmd = [sys.executable, "-m", "src.train", *job["overrides"], f"seed={seed}", "logger=csv",
            "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]
     if args.steps is not None:
@@ -262,7 +280,7 @@ def run_job(job, seed, args, runs: Path, env) -> dict:
         proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             record["error"] = proc.stderr[-2000:]
-    record["wall_s"] = time.time() - t0
+    record["wall_s"] = None if record.get("reused") else time.time() - t0  # not known for a reused run
     record["ok"] = done.exists() and "error" not in record
     metrics = json.loads(done.read_text()) if record["ok"] else {}
     metrics.pop("config", None)
@@ -287,6 +305,12 @@ def main(argv=None):
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--name", default=None, help="result file stem (default: the grid, + _cuda on GPU)")
     p.add_argument("--rerun", action="store_true", help="run jobs again even if their metrics.json exists")
+    p.add_argument("--collect", action="store_true",
+                   help="run nothing: tabulate the jobs of the grid that have finished (e.g. several partial grids)")
+    p.add_argument("--grid-command", action="append", default=[],
+                   help="with --collect: a command that ran part of the grid, quoted in the table (repeatable)")
+    p.add_argument("--variants", action="store_true",
+                   help="dkef grid: add DEQ-SM with the explicit nets' width 30, with K = 2 and K = 1 phantom steps")
     p.add_argument("--extra", default="", help="extra overrides for every job, space separated")
     args = p.parse_args(argv)
     grid_fn, columns = GRIDS[args.grid]
@@ -304,7 +328,8 @@ def main(argv=None):
         env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.node()}", "device": args.device,
             "python": platform.python_version(), "parallel_jobs": args.jobs, "threads_per_job": args.threads,
-            "command": "python benchmarks/run_grid.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+            "command": "python benchmarks/run_grid.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
+            "collect": args.collect, "grid_commands": args.grid_command}
     try:
         import torch
 
@@ -316,6 +341,8 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or (args.grid + ("" if args.device == "cpu" else f"_{args.device}"))
     tasks = [(job, seed) for job in jobs for seed in seeds]
+    if args.collect:
+        tasks = [(job, seed) for job, seed in tasks if (run_dir_of(runs, job, seed) / "metrics.json").exists()]
     results: list[dict | None] = [None] * len(tasks)
     lock = threading.Lock()
 
@@ -330,7 +357,8 @@ def main(argv=None):
         with lock:
             results[i] = rec
             state = "reused" if rec.get("reused") else ("ok" if rec["ok"] else "FAILED")
-            print(f"{job['group']} {job['method']} seed={seed}: {state} in {rec['wall_s']:.0f}s", flush=True)
+            took = "" if rec["wall_s"] is None else f" in {rec['wall_s']:.0f}s"
+            print(f"{job['group']} {job['method']} seed={seed}: {state}{took}", flush=True)
             if not rec["ok"]:
                 print(rec.get("error", "")[-1500:], flush=True)
             write()

@@ -16,6 +16,7 @@ class Args:
     datasets = "redwine,gaussian200"
     root = "../shared/data"
     epochs = None
+    variants = False
 
 
 def job(group, method, seed=0, **metrics):
@@ -31,6 +32,10 @@ def test_dkef_grid_has_the_papers_rows_with_their_overrides():
     gauss = {j["method"]: j["overrides"] for j in jobs if j["group"] == "gaussian200"}
     assert list(gauss) == ["SM 3-layer", "SM 8-layer", "SM 16-layer", "DEQ-SM"]
     assert {"experiment=dkef_gaussian", "data.dim=200"} <= set(gauss["DEQ-SM"])
+    Args.variants = True
+    red = {j["method"]: j["overrides"] for j in run_grid.dkef_grid(Args()) if j["group"] == "redwine"}
+    assert {"model.deq_width=30", "deq.phantom_steps=1"} <= set(red["DEQ-SM (width 30 K=1)"])
+    Args.variants = False
     Args.datasets = "bogus"
     with pytest.raises(SystemExit, match="unknown data set 'bogus'"):
         run_grid.dkef_grid(Args())
