@@ -192,7 +192,7 @@ class DenseDEQBlock(DEQBlock):
             for i, w in enumerate(self.weights):
                 u = torch.nn.functional.normalize(torch.randn(width), dim=0)
                 self.register_buffer(f"sn_u{i}", u)
-                spectral_normalize(w.detach(), u, 2.0, n_power_iterations=50)  # start u near the top singular vector
+                spectral_normalize(w.detach(), u, self.config.norm_lambda, n_power_iterations=50)  # start u near the top singular vector
 
     def state_shape(self, x):
         return (x.shape[0], self.width)

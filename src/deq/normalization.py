@@ -36,7 +36,6 @@ def spectral_normalize(weight: torch.Tensor, u: torch.Tensor, norm_lambda: float
         raise ValueError(f"norm_lambda must be > 1 (paper §3.2); got {norm_lambda}")
     with torch.no_grad():
         left = u
-        right = torch.nn.functional.normalize(weight.t() @ left, dim=0, eps=eps)
         for _ in range(max(1, int(n_power_iterations))):
             right = torch.nn.functional.normalize(weight.t() @ left, dim=0, eps=eps)
             left = torch.nn.functional.normalize(weight @ right, dim=0, eps=eps)
