@@ -124,9 +124,13 @@ def fmt(values, digits, key):
     return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if n > 1 else "")
 
 
+def finished_rows(results, group, method) -> list[dict]:
+    """The successful jobs (all seeds) of one method on one data set."""
+    return [r for r in results if r["ok"] and r["group"] == group and r["method"] == method]
+
+
 def mean_of(results, group, method, key):
-    m, _, n = summarise([r["metrics"].get(key) for r in results if r["ok"] and r["group"] == group
-                         and r["method"] == method])
+    m, _, n = summarise([r["metrics"].get(key) for r in finished_rows(results, group, method)])
     return m if n else None
 
 
@@ -185,7 +189,7 @@ def to_markdown(results, columns, meta) -> str:
                 + " / GB"]
         lines += [f"### {g}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for method in dict.fromkeys(r["method"] for r in rows):
-            ok = [r for r in rows if r["method"] == method and r["ok"]]
+            ok = finished_rows(rows, g, method)
             paper = PAPER.get((g, method))
             ptxt = " / ".join(f"{v:g}" for v in paper if v is not None) if paper else "—"
             cells = [method, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has] + [ptxt]
@@ -229,8 +233,7 @@ def plot(results, out: Path, stem: str) -> list[Path]:
                 ax = axes[i][j]
                 vals = []
                 for m in methods:
-                    mu, sd, n = summarise([r["metrics"].get(key) for r in results
-                                           if r["ok"] and r["group"] == g and r["method"] == m])
+                    mu, sd, n = summarise([r["metrics"].get(key) for r in finished_rows(results, g, m)])
                     scale = 1e6 if "bytes" in key else 1.0
                     vals.append((mu / scale if n else 0.0, sd / scale if n else 0.0))
                 colors = ["C3" if m.startswith("DEQ") else "C0" for m in methods]
