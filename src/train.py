@@ -154,6 +154,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             # test once, on one device, over the whole test set (not sharded across ranks)
             tester = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, logger=False,
                                inference_mode=False, enable_progress_bar=False, default_root_dir=str(out_dir))
+        if best and getattr(ckpt_cb, "monitor", None) and ckpt_cb.best_model_score is not None:
+            metrics[f"best/{ckpt_cb.monitor}"] = float(ckpt_cb.best_model_score)
         tester.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
         metrics.update(getattr(model, "test_results", {}))
         metrics["tested_checkpoint"] = best or "final weights"
@@ -206,8 +208,21 @@ def _print_metrics(metrics: dict, out_dir: Path) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     metrics = train(cfg)
-    value = metrics.get("test/sm_loss", metrics.get("val/sm_loss"))
-    return float(value) if value is not None else None
+    return optimized_value(metrics, cfg)
+
+
+def optimized_value(metrics: dict[str, Any], cfg: DictConfig) -> float | None:
+    """The value of ``cfg.optimized_metric`` for a sweeper: the best checkpoint's score when checkpoints
+    monitor it, else the metric's last logged value; None (with a warning) when the run never logged it."""
+    key = cfg.get("optimized_metric")
+    if not key:
+        return None
+    value = metrics.get(f"best/{key}", metrics.get(key))
+    if value is None:
+        log.warning("optimized_metric=%s was not logged by this run (logged: %s)", key,
+                    ", ".join(sorted(k for k in metrics if k.startswith(("val/", "test/")))))
+        return None
+    return float(value)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,1 @@
+"""Evaluation metrics shared by every model family: pluggable pieces the LightningModules compose."""
