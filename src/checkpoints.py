@@ -15,8 +15,9 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def check_checkpoint(path: str | Path) -> dict:
-    """Load and sanity-check a Lightning checkpoint; return it. Raises CheckpointError naming the file."""
+def check_checkpoint_file(path: str | Path) -> Path:
+    """Cheap checks before any unpickling: the file exists and is a complete zip archive (torch.save's
+    format). Raises FileNotFoundError / CheckpointError naming the file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"checkpoint not found: {path}")
@@ -25,25 +26,46 @@ def check_checkpoint(path: str | Path) -> dict:
             f"checkpoint {path} is truncated or not a PyTorch checkpoint (not a complete zip archive); "
             "use another checkpoint of the run (e.g. checkpoints/last.ckpt or the best epoch_*.ckpt)"
         )
+    return path
+
+
+def load_checked(path: str | Path, map_location="cpu") -> dict:
+    """Load a Lightning checkpoint once, checking it on the way; raises CheckpointError naming the file."""
+    path = check_checkpoint_file(path)
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+        ckpt = torch.load(path, map_location=map_location, weights_only=False)
     except Exception as exc:  # corrupt archive members, unpickling errors
         raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc})") from exc
+    validate_checkpoint(ckpt, path)
+    return ckpt
+
+
+check_checkpoint = load_checked  # the name the tests and older scripts use
+
+
+def validate_checkpoint(ckpt, path: str | Path) -> None:
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "pytorch-lightning_version" not in ckpt:
         raise CheckpointError(
             f"checkpoint {path} is not a deqsm/Lightning training checkpoint (no state_dict / Lightning version); "
             "src.train and src.evaluate need a file written by src.train"
         )
-    return ckpt
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning CheckpointIO that writes to a temporary file and renames it into place.
+    """Lightning CheckpointIO that writes to a temporary file in the target's folder and renames it into
+    place, and checks a checkpoint as it loads it (one load, errors that name the file).
 
-    Lightning's default writes the target file directly, so a run killed mid-write leaves a truncated
-    ``last.ckpt`` where a good one stood. Here a finished checkpoint is only ever replaced by another
-    finished one (``os.replace`` is atomic on POSIX).
+    Why not Lightning's own ``_atomic_save``: its fsspec transaction writes to a temporary file in the
+    system temp folder and ``shutil.move``s it on commit; when that folder is on another file system than
+    the run directory (common on clusters: /tmp local, outputs on a network disk) the move is a copy, and a
+    run killed during it leaves a truncated ``last.ckpt`` where a good one stood. Here the temporary file is
+    in the same folder, fsynced, and ``os.replace``d (atomic on POSIX), so a finished checkpoint is only
+    ever replaced by another finished one.
     """
+
+    def load_checkpoint(self, path, map_location=None, weights_only=None):
+        # deqsm checkpoints hold RNG states (numpy arrays), which weights_only=True refuses
+        return load_checked(path, map_location=map_location or "cpu")
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)

@@ -17,7 +17,7 @@ import lightning.pytorch as L
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from src.checkpoints import check_checkpoint
+from src.checkpoints import AtomicCheckpointIO, check_checkpoint_file
 from src.train import _print_metrics, write_json_atomic
 
 
@@ -33,8 +33,7 @@ def find_run_config(ckpt: Path) -> Path:
 
 
 def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    ckpt = Path(ckpt_path)
-    check_checkpoint(ckpt)
+    ckpt = check_checkpoint_file(ckpt_path)  # its content is checked once, as Lightning loads it
     cfg = OmegaConf.load(find_run_config(ckpt))
     run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
     # paths.output_dir holds a ${hydra:...} interpolation when composed by Hydra: pin it to the run dir
@@ -46,10 +45,13 @@ def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[
     model = instantiate(cfg.model)
     trainer = L.Trainer(
         accelerator=cfg.trainer.get("accelerator", "cpu"), devices=1, logger=False, inference_mode=False,
+        precision=cfg.trainer.get("precision", "32-true"),  # the run's precision: float64 runs stay float64
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(run_dir),
+        plugins=[AtomicCheckpointIO()],
     )
     trainer.test(model, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=False, verbose=False)
     metrics = dict(model.test_results)
+    metrics["precision"] = str(trainer.precision)
     metrics["checkpoint"] = str(ckpt)
     write_json_atomic(run_dir / "eval_metrics.json", metrics)
     _print_metrics(metrics, run_dir / "eval_metrics.json")

@@ -24,7 +24,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.callbacks.profiling import ProfilingCallback
-from src.checkpoints import AtomicCheckpointIO, check_checkpoint
+from src.checkpoints import AtomicCheckpointIO, check_checkpoint_file
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,19 @@ def validate_config(cfg: DictConfig) -> None:
         )
 
 
+def follow_optimization_mode(trainer_cfg: DictConfig, model: L.LightningModule) -> DictConfig:
+    """The trainer config for ``model``'s optimisation mode. Lightning refuses ``gradient_clip_val`` with
+    manual optimisation (a family with alternating updates); then the clipping moves into the model, whose
+    ``manual_update`` applies it, so ``trainer.gradient_clip_val`` means the same in both modes."""
+    if model.automatic_optimization or not trainer_cfg.get("gradient_clip_val"):
+        return trainer_cfg
+    trainer_cfg = trainer_cfg.copy()
+    with open_dict(trainer_cfg):
+        model.manual_clip = {"gradient_clip_val": float(trainer_cfg.pop("gradient_clip_val")),
+                             "gradient_clip_algorithm": trainer_cfg.pop("gradient_clip_algorithm", None) or "norm"}
+    return trainer_cfg
+
+
 def _output_dir(cfg: DictConfig) -> Path:
     try:
         return Path(cfg.paths.output_dir)
@@ -114,8 +127,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     if not cfg.trainer.get("enable_progress_bar", True):  # a progress-bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = _instantiate_group(cfg.get("logger"))
+    trainer_cfg = follow_optimization_mode(cfg.trainer, model)
+    if cfg.get("ckpt_path"):
+        # No sanity validation when resuming: run mid-training it has side effects an uninterrupted run does
+        # not have at that point (it draws from the global RNG as its loader starts, refits evaluation state),
+        # and the resumed run would drift from the uninterrupted one. The checkpoint was validated already.
+        trainer_cfg = trainer_cfg.copy()
+        with open_dict(trainer_cfg):
+            trainer_cfg.num_sanity_val_steps = 0
     trainer: L.Trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]
+        trainer_cfg, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]
     )
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
@@ -123,8 +144,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %s, %d parameters; output dir: %s", type(model).__name__, n_params, out_dir)
     if cfg.get("ckpt_path"):
-        check_checkpoint(cfg.ckpt_path)  # a clear error naming a truncated/foreign file, before Lightning
-    # the checkpoint was just checked; it holds RNG states (numpy arrays), which weights_only=True refuses
+        # cheap checks now (a clear error before any training set-up); the checkpoint's content is checked
+        # once, as Lightning loads it through AtomicCheckpointIO
+        check_checkpoint_file(cfg.ckpt_path)
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
 
     metrics: dict[str, Any] = {
@@ -138,26 +160,17 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     for cb in callbacks:
         if isinstance(cb, ProfilingCallback):
             metrics.update(cb.summary)
+    ckpt_cb = getattr(trainer, "checkpoint_callback", None)
+    best = getattr(ckpt_cb, "best_model_path", "") if ckpt_cb is not None else ""
+    if best and getattr(ckpt_cb, "monitor", None) and ckpt_cb.best_model_score is not None:
+        metrics[f"best/{ckpt_cb.monitor}"] = float(ckpt_cb.best_model_score)
 
     if trainer.world_size > 1:
         metrics.update(ddp_consistency(trainer, model))
-        # rank 0 tests alone below; a second Trainer would otherwise wait for the other ranks forever
-        # (its prepare_data barrier is a collective), so leave the process group on every rank first
-        trainer.strategy.barrier()
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
-    if cfg.get("test", True) and trainer.is_global_zero:
-        ckpt_cb = getattr(trainer, "checkpoint_callback", None)
-        best = getattr(ckpt_cb, "best_model_path", "") if ckpt_cb is not None else ""
-        tester = trainer
-        if trainer.world_size > 1:
-            # test once, on one device, over the whole test set (not sharded across ranks)
-            tester = L.Trainer(accelerator=cfg.trainer.accelerator, devices=1, logger=False,
-                               inference_mode=False, enable_progress_bar=False, default_root_dir=str(out_dir))
-        if best and getattr(ckpt_cb, "monitor", None) and ckpt_cb.best_model_score is not None:
-            metrics[f"best/{ckpt_cb.monitor}"] = float(ckpt_cb.best_model_score)
-        tester.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
-        metrics.update(getattr(model, "test_results", {}))
+    if cfg.get("test", True):
+        # every rank tests its shard of the test set; the metrics are reduced across ranks (torchmetrics)
+        trainer.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
+        metrics.update(model.test_results)
         metrics["tested_checkpoint"] = best or "final weights"
     if not trainer.is_global_zero:
         return metrics

@@ -33,7 +33,7 @@ def test_fast_dev_run_every_loss_and_deq(tmp_path, loss, deq):
 
 
 NICE_FAST = ["logger=none", "callbacks=minimal", "model=nice", "data=mnist", "data.limit=400", "model.hidden=32",
-             "model.deq_width=32", "model.evaluation.test_sm_points=8", "model.evaluation.val_sm_points=4",
+             "model.deq_width=32", "model.metrics.exact_sm.test_points=8", "model.metrics.exact_sm.val_points=4",
              "model.n_samples_grid=4", "trainer.fast_dev_run=true"]
 
 

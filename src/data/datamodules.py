@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 
-import lightning.pytorch as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from src.data import gaussian
+from src.data.contract import ScoreDataModule
 from src.data.preprocessing import SPLITS, WHITEN_ON, PreprocessedSplits, Whitening, preprocess
 from src.data.uci import DATASETS, get_dataset, locate_uci
 
@@ -48,7 +48,7 @@ def _positive_int(label: str, value) -> int:
     return int(value)
 
 
-class _InMemoryDataModule(L.LightningDataModule):
+class _InMemoryDataModule(ScoreDataModule):
     def __init__(self, batch_size: int, eval_batch_size: int, num_workers: int):
         super().__init__()
         self.batch_size = _positive_int("batch_size", batch_size)
@@ -61,8 +61,8 @@ class _InMemoryDataModule(L.LightningDataModule):
         self.test_data: torch.Tensor | None = None
 
     @property
-    def has_ground_truth(self) -> bool:
-        return False
+    def data_shape(self) -> tuple[int, ...]:
+        return (int(self.dim),)
 
     def _loader(self, data: torch.Tensor | None, batch_size: int, shuffle: bool) -> DataLoader:
         if data is None:
@@ -199,9 +199,7 @@ class GaussianDataModule(_InMemoryDataModule):
         self.n_test = _positive_int("n_test", n_test)
         self.seed = int(seed)
 
-    @property
-    def has_ground_truth(self) -> bool:
-        return True
+    has_ground_truth = True
 
     def prepare_data(self) -> None:  # nothing to fetch
         pass

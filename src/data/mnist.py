@@ -51,10 +51,11 @@ import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-import lightning.pytorch as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+
+from src.data.contract import ScoreDataModule
 
 # ---------------------------------------------------------------------------------------------- files
 FILES = {
@@ -342,7 +343,7 @@ class DequantizeLogit:
         return to_logit(dequantize(v, noise=self.dequantize), self.eps, self.squash)
 
 
-class MNISTDataModule(L.LightningDataModule):
+class MNISTDataModule(ScoreDataModule):
     """MNIST in logit space, flat ``[B, 784]`` float32 batches (paper §4.3).
 
     - ``split=(0.7, 0.2, 0.1)``: fractions of all 70 000 images (train + t10k pooled, as the paper does):
@@ -359,8 +360,10 @@ class MNISTDataModule(L.LightningDataModule):
     """
 
     dim = 784
+    data_shape = (784,)
     image_shape = (1, 28, 28)
-    has_ground_truth = False
+    is_image = True
+    has_bits_per_dim = True
 
     def __init__(
         self,

@@ -1,16 +1,33 @@
-"""Training logic shared by every score-matching model: objective, optimiser, evaluation.
+"""The LightningModule base of every model family: optimisers, evaluation metrics, samples, exact resume.
 
-A subclass provides ``self.net`` (an ``nn.Module`` exposing ``log_density(x)`` and/or ``score(x)``) and may
-override ``training_objective`` (e.g. DKEF fits α on half the batch) and ``test_log_likelihood``.
+:class:`DeqsmModule` holds what every family shares; a family subclass holds only its training logic.
 
-Evaluation always computes the *exact* SM loss (eq. 1, per sample, not divided by D) — the common yardstick
-of the paper and the reference code — under ``torch.enable_grad()``, because a score needs autograd even at
-test time (DESIGN §2: run the Trainer with ``inference_mode=False``).
+Optimisers (``model.optimizer``), from config, never from code:
+
+- one optimiser over every parameter: ``{name: adam, lr: 1e-3, weight_decay: 1e-12}`` (``name`` is any
+  ``torch.optim`` class, default Adam; other keys are its arguments);
+- several, by name: ``{score: {lr: 1e-4, params: [score_net]}, vae: {lr: 1e-4, params: [encoder, decoder]}}``
+  — ``params`` lists sub-modules (attribute paths) of the LightningModule; every trainable parameter must
+  belong to exactly one optimiser. A family that alternates updates sets ``automatic_optimization = False``
+  and calls :meth:`DeqsmModule.manual_update` (backward, clipping, step) per optimiser in its
+  ``training_step``. Lightning refuses manual optimisation while ``trainer.gradient_clip_val`` is set, so
+  ``src.train`` moves that setting into :attr:`DeqsmModule.manual_clip` and :meth:`manual_update` applies
+  it: the same clipping in either mode.
+
+Evaluation (``model.metrics``, see :mod:`src.metrics.evaluation`): pluggable metrics updated per batch
+and reduced across DDP ranks; the validation metrics feed checkpointing (``optimized_metric``), the test
+metrics land in ``test_results`` and ``metrics.json``.
+
+Samples: a generative family implements :meth:`DeqsmModule.sample` (model space); :meth:`sample_pixels`
+maps samples to images through the data contract for grids and FID.
+
+Data and dtype: the module reads data only through the contract of :mod:`src.data.contract`, and every
+tensor it takes from the data module is cast to the module's dtype and device (:meth:`model_tensor`), so
+``trainer.precision=64-true`` runs end to end in float64.
 """
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Mapping
 from typing import Any
@@ -19,9 +36,10 @@ import lightning.pytorch as L
 import numpy as np
 import torch
 
-from src.objectives.base import ObjectiveOutput, compute_score
+from src.data.contract import ScoreDataModule, require_contract
+from src.metrics.evaluation import build_metrics
+from src.objectives.base import ObjectiveOutput
 from src.objectives.registry import get_objective
-from src.objectives.sm import sm as exact_sm
 
 
 def as_plain(cfg: Any) -> Any:
@@ -60,101 +78,221 @@ def restore_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-class ScoreMatchingModule(L.LightningModule):
+_OPTIMIZER_KEYS = {"lr", "weight_decay", "betas", "eps", "momentum", "name", "amsgrad"}
+
+
+def is_single_optimizer(cfg: Mapping) -> bool:
+    """A flat mapping of optimiser arguments (``{lr: …}``) rather than ``{name: {lr: …, params: […]}}``."""
+    return not cfg or not all(isinstance(v, Mapping) for v in cfg.values()) or bool(set(cfg) & _OPTIMIZER_KEYS)
+
+
+def make_optimizer(params, spec: Mapping) -> torch.optim.Optimizer:
+    """``torch.optim.<name>(params, **rest)`` from a config mapping (default Adam, lr 1e-3)."""
+    spec = dict(spec)
+    spec.pop("params", None)
+    name = str(spec.pop("name", "adam"))
+    classes = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
+               if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)}
+    if name.lower() not in classes:
+        raise ValueError(f"model.optimizer name={name!r} is not a torch.optim optimiser; e.g. adam, adamw, sgd")
+    for key in ("lr", "weight_decay", "eps", "momentum"):
+        if key in spec:
+            spec[key] = float(spec[key])
+    spec.setdefault("lr", 1e-3)
+    if "betas" in spec:
+        spec["betas"] = tuple(float(b) for b in spec["betas"])
+    return classes[name.lower()](params, **spec)
+
+
+class DeqsmModule(L.LightningModule):
+    """Base of every family (see the module docstring). Subclasses set ``self.net`` and may override:
+
+    - ``eval_model()``: the object the score-based metrics differentiate (``log_density`` and/or ``score``);
+    - ``log_likelihood_metrics(x) -> {name: [B]}`` and ``log_likelihood_constants() -> {key: float}``;
+    - ``sample(n, generator) -> [n, *data_shape]`` for generative families.
+    """
+
     net: torch.nn.Module
 
-    def __init__(self, loss: Mapping, optimizer: Mapping | None = None, evaluation: Mapping | None = None):
+    def __init__(self, optimizer: Mapping | None = None, metrics: Mapping | None = None,
+                 evaluation: Mapping | None = None):
         super().__init__()
-        loss = dict(as_plain(loss) or {"name": "sm"})
-        self.loss_name = loss.pop("name")
-        self.loss_kwargs = loss
-        self.objective = get_objective(self.loss_name, **loss)
         self.optimizer_cfg = dict(as_plain(optimizer) or {})
         self.evaluation_cfg = dict(as_plain(evaluation) or {})
+        self.eval_metrics = build_metrics(as_plain(metrics))
+        self.manual_clip: dict[str, Any] = {}
         self.test_results: dict[str, float] = {}
-        self._test_sm: list[torch.Tensor] = []
-        self._test_fisher: list[torch.Tensor] = []
-        self._test_true_ll: list[torch.Tensor] = []
+        self._data: ScoreDataModule | None = None
 
-    # ------------------------------------------------------------------ hooks for subclasses
-    def training_objective(self, x: torch.Tensor) -> ObjectiveOutput:
-        return self.objective(self.net, x)
+    # ------------------------------------------------------------------ data and dtype
+    def datamodule(self) -> ScoreDataModule:
+        """The run's data module, checked against the data contract."""
+        trainer = getattr(self, "_trainer", None)
+        dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+        if dm is None and self._data is not None:
+            return self._data
+        return require_contract(dm, type(self).__name__)
 
-    def eval_model(self):
-        """The object evaluation differentiates (exposes log_density and/or score)."""
-        return self.net
+    def attach_datamodule(self, datamodule: ScoreDataModule) -> None:
+        """Use ``datamodule`` outside a Trainer (scripts, benchmarks)."""
+        self._data = require_contract(datamodule, type(self).__name__)
 
-    def test_log_likelihood(self, x_test: torch.Tensor) -> dict[str, float]:
-        """Test log-likelihood metrics; models without a tractable or estimable likelihood return {}."""
-        return {}
+    def model_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in this module's floating dtype and on its device (data enter the model only this way)."""
+        return t.to(device=self.device, dtype=self.dtype if t.is_floating_point() else t.dtype)
 
-    # ------------------------------------------------------------------ training
-    def training_step(self, batch, batch_idx):
-        x = batch_tensor(batch)
-        out = self.training_objective(x)
-        if not torch.isfinite(out.loss):
-            raise NonFiniteLossError(
-                f"non-finite training loss ({out.loss.item()}) at global step {self.global_step} "
-                f"(loss={self.loss_name}). Checkpoints written so far are kept. Try a smaller "
-                "model.optimizer.lr, a larger deq.norm_lambda, or gradient clipping (trainer.gradient_clip_val)."
-            )
-        self.log("train/loss", out.loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
-        for name, value in out.parts.items():
-            self.log(f"train/{name}", value, on_step=False, on_epoch=True, batch_size=x.shape[0])
-        return out.loss
+    def split_tensor(self, split: str, n: int | None = None) -> torch.Tensor:
+        return self.model_tensor(self.datamodule().split_tensor(split, n))
+
+    # ------------------------------------------------------------------ optimisers
+    def optimizer_specs(self) -> dict[str, dict]:
+        """``{name: spec}`` of the configured optimisers (a single one is named ``"main"``)."""
+        cfg = self.optimizer_cfg
+        if is_single_optimizer(cfg):
+            return {"main": dict(cfg)}
+        return {name: dict(spec) for name, spec in cfg.items()}
+
+    def _params_of(self, name: str, spec: Mapping) -> list[torch.nn.Parameter]:
+        paths = spec.get("params")
+        if paths is None:
+            return [p for p in self.parameters() if p.requires_grad]
+        params = []
+        for path in [paths] if isinstance(paths, str) else paths:
+            try:
+                sub = self.get_submodule(path) if path else self
+            except AttributeError:
+                raise ValueError(f"model.optimizer.{name}.params: {type(self).__name__} has no sub-module "
+                                 f"{path!r}") from None
+            params += [p for p in sub.parameters() if p.requires_grad]
+        return params
 
     def configure_optimizers(self):
-        lr = float(self.optimizer_cfg.get("lr", 1e-3))
-        wd = float(self.optimizer_cfg.get("weight_decay", 0.0))
-        return torch.optim.Adam(self.parameters(), lr=lr, weight_decay=wd)
+        specs = self.optimizer_specs()
+        optimizers, owner = [], {}
+        for name, spec in specs.items():
+            params = self._params_of(name, spec)
+            for p in params:
+                if id(p) in owner:
+                    raise ValueError(f"a parameter belongs to two optimisers ({owner[id(p)]} and {name}): "
+                                     "make the model.optimizer.*.params lists disjoint")
+                owner[id(p)] = name
+            if not params:
+                raise ValueError(f"model.optimizer.{name} has no trainable parameters")
+            optimizers.append(make_optimizer(params, spec))
+        missing = [n for n, p in self.named_parameters() if p.requires_grad and id(p) not in owner]
+        if missing:
+            raise ValueError(f"parameters in no optimiser: {', '.join(missing[:5])}"
+                             f"{' …' if len(missing) > 5 else ''}; add their module to a model.optimizer.*.params")
+        return optimizers[0] if len(optimizers) == 1 else optimizers
+
+    def named_optimizer(self, name: str):
+        """The (Lightning-wrapped) optimiser called ``name`` in the config (manual optimisation)."""
+        names = list(self.optimizer_specs())
+        opts = self.optimizers()
+        opts = opts if isinstance(opts, list) else [opts]
+        return opts[names.index(name)]
+
+    def manual_update(self, name: str, loss: torch.Tensor) -> None:
+        """One update of optimiser ``name`` on ``loss``: zero_grad, backward, clipping (as configured), step."""
+        self.check_finite(loss, name)
+        opt = self.named_optimizer(name)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        if self.manual_clip.get("gradient_clip_val"):
+            self.clip_gradients(opt, gradient_clip_val=float(self.manual_clip["gradient_clip_val"]),
+                                gradient_clip_algorithm=self.manual_clip.get("gradient_clip_algorithm") or "norm")
+        opt.step()
+
+    def check_finite(self, loss: torch.Tensor, what: str = "training") -> None:
+        if not torch.isfinite(loss):
+            raise NonFiniteLossError(
+                f"non-finite {what} loss ({loss.item()}) at global step {self.global_step}. Checkpoints "
+                "written so far are kept. Try a smaller model.optimizer lr, a larger deq.norm_lambda, or "
+                "gradient clipping (trainer.gradient_clip_val)."
+            )
 
     # ------------------------------------------------------------------ evaluation
-    def _exact_sm(self, x: torch.Tensor) -> torch.Tensor:
-        with torch.enable_grad():
-            return exact_sm(self.eval_model(), x, create_graph=False).per_sample.detach()
+    def eval_model(self):
+        """The object the score-based metrics differentiate (exposes log_density and/or score)."""
+        return self.net
+
+    def log_likelihood_metrics(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise NotImplementedError(f"{type(self).__name__} has no likelihood: switch model.metrics.log_likelihood off")
+
+    def log_likelihood_constants(self) -> dict[str, float]:
+        return {}
+
+    def _stage_metrics(self, stage: str):
+        return [m for m in self.eval_metrics.values() if stage in m.stages]
+
+    def _metrics_start(self, stage: str) -> None:
+        dm = self.datamodule()
+        for m in self._stage_metrics(stage):
+            m.reset()
+            m.setup(self, dm)
+
+    def _metrics_update(self, batch, stage: str) -> None:
+        x = self.model_tensor(batch_tensor(batch))
+        for m in self._stage_metrics(stage):
+            m.update(self, x, stage)
+
+    def _metrics_end(self, stage: str) -> dict[str, float]:
+        results: dict[str, float] = {}
+        for m in self._stage_metrics(stage):
+            results.update(m.compute(self, stage))
+        for key, value in results.items():
+            # already reduced across ranks by torchmetrics: log the value as it is
+            self.log(key, float(value), prog_bar=key == f"{stage}/sm_loss", rank_zero_only=False)
+        return results
+
+    def on_validation_epoch_start(self):
+        self._metrics_start("val")
 
     def validation_step(self, batch, batch_idx):
-        x = batch_tensor(batch)
-        limit = self.evaluation_cfg.get("val_sm_points")  # exact SM costs D backward passes: cap it for big D
-        if limit is not None:
-            x = x[: int(limit)]
-        per_sample = self._exact_sm(x)
-        self.log("val/sm_loss", per_sample.mean(), prog_bar=True, on_epoch=True, batch_size=x.shape[0], sync_dist=True)
+        self._metrics_update(batch, "val")
+
+    def on_validation_epoch_end(self):
+        self._metrics_end("val")
 
     def on_test_epoch_start(self):
-        self._test_sm, self._test_fisher, self._test_true_ll = [], [], []
         self.test_results = {}
+        self._metrics_start("test")
 
     def test_step(self, batch, batch_idx):
-        x = batch_tensor(batch)
-        limit = self.evaluation_cfg.get("test_sm_points")
-        seen = sum(t.numel() for t in self._test_sm)
-        if limit is None or seen < limit:
-            xs = x if limit is None else x[: max(0, int(limit) - seen)]
-            self._test_sm.append(self._exact_sm(xs).cpu())
-        dm = self._datamodule()
-        if dm is not None and getattr(dm, "has_ground_truth", False):
-            with torch.enable_grad():
-                s = compute_score(self.eval_model(), x, create_graph=False).detach()
-            s_true = dm.true_score(x)
-            self._test_fisher.append((0.5 * (s - s_true).flatten(1).pow(2).sum(-1)).cpu())
-            self._test_true_ll.append(dm.true_log_density(x).detach().cpu())
+        self._metrics_update(batch, "test")
 
     def on_test_epoch_end(self):
-        results: dict[str, float] = {}
-        if self._test_sm:
-            sm_all = torch.cat(self._test_sm)
-            results["test/sm_loss"] = sm_all.mean().item()
-            results["test/sm_loss_stderr"] = (sm_all.std() / math.sqrt(max(1, sm_all.numel()))).item()
-        if self._test_fisher:
-            results["test/fisher_divergence"] = torch.cat(self._test_fisher).mean().item()
-            results["test/true_log_likelihood"] = torch.cat(self._test_true_ll).mean().item()
-        dm = self._datamodule()
-        if dm is not None and getattr(dm, "test_data", None) is not None:
-            results.update(self.test_log_likelihood(dm.test_data.to(self.device)))
-        for key, value in results.items():
-            self.log(key, value)
-        self.test_results = results
+        self.test_results = self._metrics_end("test")
+
+    # ------------------------------------------------------------------ samples
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor | None:
+        """``n`` samples in model space ``[n, *data_shape]``; None for a family that does not generate."""
+        return None
+
+    @torch.no_grad()
+    def sample_pixels(self, n: int, seed: int = 0) -> torch.Tensor | None:
+        """``n`` samples as images ``[n, C, H, W]`` in [0, 1] on the CPU (sample grids, FID), or None."""
+        dm = self.datamodule()
+        if not dm.is_image:
+            return None
+        g = torch.Generator(device=self.device).manual_seed(int(seed))
+        y = self.sample(n, generator=g)
+        if y is None:
+            return None
+        return dm.to_pixels(y).float().cpu()
+
+    def save_sample_grid(self, n: int = 64, name: str = "samples.png"):
+        """Write ``n`` samples as a PNG grid into the run directory (and to the loggers that take images)."""
+        images = self.sample_pixels(n)
+        if images is None or self._trainer is None:
+            return None
+        from pathlib import Path
+
+        from src.callbacks.samples import log_image, save_image_grid
+
+        path = save_image_grid(images, Path(self.trainer.default_root_dir) / name)
+        log_image(self.trainer, "samples", path)
+        return path
 
     # ------------------------------------------------------------------ exact resume
     def _deq_blocks(self):
@@ -175,17 +313,28 @@ class ScoreMatchingModule(L.LightningModule):
             if name in states:
                 m.load_warm_start_state(states[name])
 
-    # ------------------------------------------------------------------ helpers
-    def _datamodule(self):
-        trainer = getattr(self, "_trainer", None)
-        return getattr(trainer, "datamodule", None) if trainer is not None else None
 
-    def _train_data(self) -> torch.Tensor:
-        dm = self._datamodule()
-        data = getattr(dm, "train_data", None) if dm is not None else None
-        if data is None:
-            raise RuntimeError(
-                f"{type(self).__name__} needs the training data for evaluation: pass a datamodule with a "
-                "`train_data` tensor (every datamodule in src/data has one) to trainer.fit/test"
-            )
-        return data
+class ScoreMatchingModule(DeqsmModule):
+    """A family trained by one score-matching objective (``model.loss``, :mod:`src.objectives`) with one
+    optimiser and Lightning's automatic optimisation. ``training_objective`` may be overridden (DKEF fits α
+    on half the batch)."""
+
+    def __init__(self, loss: Mapping, optimizer: Mapping | None = None, metrics: Mapping | None = None,
+                 evaluation: Mapping | None = None):
+        super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation)
+        loss = dict(as_plain(loss) or {"name": "sm"})
+        self.loss_name = loss.pop("name")
+        self.loss_kwargs = loss
+        self.objective = get_objective(self.loss_name, **loss)
+
+    def training_objective(self, x: torch.Tensor) -> ObjectiveOutput:
+        return self.objective(self.net, x)
+
+    def training_step(self, batch, batch_idx):
+        x = batch_tensor(batch)
+        out = self.training_objective(x)
+        self.check_finite(out.loss, f"training (loss={self.loss_name})")
+        self.log("train/loss", out.loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
+        for name, value in out.parts.items():
+            self.log(f"train/{name}", value, on_step=False, on_epoch=True, batch_size=x.shape[0])
+        return out.loss

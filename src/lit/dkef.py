@@ -39,15 +39,17 @@ class DKEFLitModule(ScoreMatchingModule):
         alpha_fit: str = "auto",
         optimizer: Mapping | None = None,
         evaluation: Mapping | None = None,
+        metrics: Mapping | None = None,
     ):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
-        loss, deq, optimizer, evaluation = (as_plain(c) for c in (loss, deq, optimizer, evaluation))
+        loss, deq, optimizer, evaluation, metrics = (
+            as_plain(c) for c in (loss, deq, optimizer, evaluation, metrics))
         if loss and loss.get("name") == "mle":
             raise ValueError(
                 "loss=mle needs a model with a tractable likelihood (model=nice); DKEF's normaliser is "
                 "intractable. Use loss=sm|ssm|ssm_vr|dsm|cp with model=dkef."
             )
-        super().__init__(loss=loss, optimizer=optimizer, evaluation=evaluation)
+        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics, evaluation=evaluation)
         self.save_hyperparameters()
         if alpha_fit == "auto":
             alpha_fit = AUTO_ALPHA_FIT.get(self.loss_name, "exact")
@@ -71,13 +73,11 @@ class DKEFLitModule(ScoreMatchingModule):
         # Inducing points start at random training points (reference: M random training points). A resumed
         # checkpoint overwrites them afterwards.
         if stage == "fit":
-            dm = self._datamodule()
-            data = getattr(dm, "train_data", None) if dm is not None else None
-            if data is not None:
-                g = torch.Generator().manual_seed(0)
-                idx = torch.randint(0, data.shape[0], (self.net.inducing.shape[0],), generator=g)
-                with torch.no_grad():
-                    self.net.inducing.copy_(data[idx].to(self.net.inducing))
+            data = self.datamodule().split_tensor("train")
+            g = torch.Generator().manual_seed(0)
+            idx = torch.randint(0, data.shape[0], (self.net.inducing.shape[0],), generator=g)
+            with torch.no_grad():
+                self.net.inducing.copy_(data[idx].to(self.net.inducing))
 
     def training_objective(self, x: torch.Tensor) -> ObjectiveOutput:
         if x.shape[0] < 2:
@@ -89,25 +89,28 @@ class DKEFLitModule(ScoreMatchingModule):
 
     def refit_alpha(self) -> None:
         """Exact α on (up to) ``alpha_fit_points`` training points, stored in the model for evaluation."""
-        data = self._train_data()
+        data = self.split_tensor("train")
         n = int(self.evaluation_cfg.get("alpha_fit_points", 1000))
         if data.shape[0] > n:
             g = torch.Generator().manual_seed(1234)
-            data = data[torch.randperm(data.shape[0], generator=g)[:n]]
-        self.net.fit_alpha_on(data.to(self.device), "exact")
+            data = data[torch.randperm(data.shape[0], generator=g)[:n].to(data.device)]
+        self.net.fit_alpha_on(data, "exact")
 
     def on_validation_epoch_start(self):
         self.refit_alpha()
+        super().on_validation_epoch_start()
 
     def on_test_epoch_start(self):
-        super().on_test_epoch_start()
         self.refit_alpha()
-
-    def test_log_likelihood(self, x_test: torch.Tensor) -> dict[str, float]:
         n = int(self.evaluation_cfg.get("ll_samples", 100_000))
         std = float(self.evaluation_cfg.get("ll_proposal_std", 2.0))
-        g = torch.Generator().manual_seed(0)
-        log_z = self.net.log_normalizer(n_samples=n, proposal_std=std, generator=g)
-        with torch.no_grad():
-            ll = torch.cat([self.net.log_density(c) for c in x_test.split(4096)]).mean() - log_z
-        return {"test/log_likelihood": ll.item(), "test/log_normalizer": log_z.item()}
+        g = torch.Generator().manual_seed(0)  # the same estimate on every rank and in every re-evaluation
+        self._log_z = self.net.log_normalizer(n_samples=n, proposal_std=std, generator=g)
+        super().on_test_epoch_start()
+
+    def log_likelihood_metrics(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """log p̃(x) − log Ẑ per test point, Ẑ by importance sampling (computed once per test epoch)."""
+        return {"log_likelihood": self.net.log_density(x) - self._log_z}
+
+    def log_likelihood_constants(self) -> dict[str, float]:
+        return {"test/log_normalizer": float(self._log_z)}

@@ -1,15 +1,14 @@
 """LightningModule for NICE on MNIST (paper §4.3, Table 4): any objective, exact likelihood for evaluation.
 
-Test metrics: exact SM loss on a fixed test subset (``evaluation.test_sm_points``; exact SM at D = 784
-costs 784 backward passes per batch, so it is capped), test log-likelihood in logit space (as the reference
-code reports it), bits/dim in 8-bit pixel space with every Jacobian included, and a PNG grid of samples
-(also logged to W&B when that logger is on).
+Test metrics (``model.metrics``): exact SM loss on a fixed test subset (``metrics.exact_sm.test_points``;
+exact SM at D = 784 costs 784 backward passes per batch, so it is capped), test log-likelihood in logit
+space (as the reference code reports it), bits/dim in 8-bit pixel space with every Jacobian included, and a
+PNG grid of samples (also logged to W&B when that logger is on).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import Path
 
 import torch
 
@@ -29,11 +28,13 @@ class NICELitModule(ScoreMatchingModule):
         deq_width: int = 1000,
         optimizer: Mapping | None = None,
         evaluation: Mapping | None = None,
+        metrics: Mapping | None = None,
         n_samples_grid: int = 64,
     ):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
-        loss, deq, optimizer, evaluation = (as_plain(c) for c in (loss, deq, optimizer, evaluation))
-        super().__init__(loss=loss, optimizer=optimizer, evaluation=evaluation)
+        loss, deq, optimizer, evaluation, metrics = (
+            as_plain(c) for c in (loss, deq, optimizer, evaluation, metrics))
+        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics, evaluation=evaluation)
         self.save_hyperparameters()
         deq = deq or {}
         enabled = bool(deq.get("enabled", False))
@@ -46,46 +47,18 @@ class NICELitModule(ScoreMatchingModule):
             self.net = NICE(input_dim, n_couplings=n_couplings, hidden=hidden, mlp_layers=int(depth or 5))
         self.n_samples_grid = n_samples_grid
 
-    def test_log_likelihood(self, x_test: torch.Tensor) -> dict[str, float]:
-        dm = self._datamodule()
-        lls, bpds = [], []
-        with torch.no_grad():
-            for chunk in x_test.split(1024):
-                ll = self.net.log_likelihood(chunk)
-                lls.append(ll.cpu())
-                if dm is not None and hasattr(dm, "bits_per_dim"):
-                    bpds.append(dm.bits_per_dim(ll, chunk).cpu())
-        out = {"test/log_likelihood": torch.cat(lls).mean().item()}
-        if bpds:
-            out["test/bits_per_dim"] = torch.cat(bpds).mean().item()
+    def log_likelihood_metrics(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Exact log p(x) in the model's (logit) space and, where the data define one, pixel-space bits/dim."""
+        ll = self.net.log_likelihood(x)
+        out = {"log_likelihood": ll}
+        dm = self.datamodule()
+        if dm.has_bits_per_dim:
+            out["bits_per_dim"] = dm.bits_per_dim(ll, x)
         return out
 
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self.net.sample(n, generator=generator)
+
     def on_test_end(self) -> None:
-        self.save_sample_grid()
-
-    def save_sample_grid(self) -> Path | None:
-        dm = self._datamodule()
-        if dm is None or not hasattr(dm, "to_pixels") or self.trainer is None:
-            return None
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        with torch.no_grad():
-            y = self.net.sample(self.n_samples_grid, generator=torch.Generator().manual_seed(0))
-        images = dm.to_pixels(y.cpu()).squeeze(1).numpy()
-        n = int(len(images) ** 0.5)
-        fig, axes = plt.subplots(n, n, figsize=(n, n))
-        for ax, img in zip(axes.flat, images):
-            ax.imshow(img, cmap="gray", vmin=0, vmax=1)
-            ax.axis("off")
-        fig.subplots_adjust(wspace=0.05, hspace=0.05)
-        path = Path(self.trainer.default_root_dir) / "samples.png"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path, dpi=80)
-        plt.close(fig)
-        for lg in self.trainer.loggers:
-            if hasattr(lg, "log_image"):
-                lg.log_image(key="samples", images=[str(path)])
-        return path
+        if self.trainer.is_global_zero:
+            self.save_sample_grid(self.n_samples_grid)
