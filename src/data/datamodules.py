@@ -1,7 +1,10 @@
 """LightningDataModules for the DKEF experiments: UCI (Parkinsons, RedWine, WhiteWine) and N(0, I_D).
 
-Both hold whole splits in memory as float32 tensors ``train_data``, ``val_data``, ``test_data`` [N, D]
-(available after :meth:`setup`) and give batches as plain tensors [B, D]. The training loader reshuffles
+Both are :class:`~src.data.contract.ScoreDataModule` s with ``data_shape = (D,)``. They hold whole splits
+in memory as float32 tensors ``train_data``, ``val_data``, ``test_data`` [N, D] (available after
+:meth:`setup`; ``split_tensor(split, n)`` gives their first ``n`` rows) and give batches as plain tensors
+[B, D]. The Gaussian also offers its ground truth (``has_ground_truth``: ``true_log_density``,
+``true_score``, in the dtype and device of their argument). The training loader reshuffles
 every epoch (``drop_last=False``); the val/test loaders keep the order. :meth:`setup` is idempotent: the
 data are built once per module and never re-randomised.
 """
@@ -10,12 +13,12 @@ from __future__ import annotations
 
 import logging
 
-import lightning.pytorch as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from src.data import gaussian
+from src.data.contract import ScoreDataModule
 from src.data.preprocessing import SPLITS, WHITEN_ON, PreprocessedSplits, Whitening, preprocess
 from src.data.uci import DATASETS, get_dataset, locate_uci
 
@@ -48,7 +51,7 @@ def _positive_int(label: str, value) -> int:
     return int(value)
 
 
-class _InMemoryDataModule(L.LightningDataModule):
+class _InMemoryDataModule(ScoreDataModule):
     def __init__(self, batch_size: int, eval_batch_size: int, num_workers: int):
         super().__init__()
         self.batch_size = _positive_int("batch_size", batch_size)
@@ -60,9 +63,13 @@ class _InMemoryDataModule(L.LightningDataModule):
         self.val_data: torch.Tensor | None = None
         self.test_data: torch.Tensor | None = None
 
+    dim: int | None
+
     @property
-    def has_ground_truth(self) -> bool:
-        return False
+    def data_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            raise RuntimeError(f"{type(self).__name__}: the dimension is known after setup() (or pass dim=)")
+        return (int(self.dim),)
 
     def _loader(self, data: torch.Tensor | None, batch_size: int, shuffle: bool) -> DataLoader:
         if data is None:
@@ -88,7 +95,7 @@ class _InMemoryDataModule(L.LightningDataModule):
 
 
 class UCIDataModule(_InMemoryDataModule):
-    """Parkinsons / RedWine / WhiteWine, preprocessed as in DESIGN §4 (see :mod:`src.data.preprocessing`).
+    """Parkinsons / RedWine / WhiteWine, preprocessed as in the DKEF reference (see :mod:`src.data.preprocessing`).
 
     Files are read from ``root`` (``root/wine-quality/winequality-red.csv``,
     ``root/parkinsons-telemonitoring/parkinsons_updrs.data``, or the file directly in ``root``) and
@@ -199,9 +206,7 @@ class GaussianDataModule(_InMemoryDataModule):
         self.n_test = _positive_int("n_test", n_test)
         self.seed = int(seed)
 
-    @property
-    def has_ground_truth(self) -> bool:
-        return True
+    has_ground_truth = True
 
     def prepare_data(self) -> None:  # nothing to fetch
         pass
@@ -213,7 +218,9 @@ class GaussianDataModule(_InMemoryDataModule):
         self.train_data, self.val_data, self.test_data = (torch.from_numpy(a) for a in parts)
 
     def true_log_density(self, x: torch.Tensor) -> torch.Tensor:
+        """log N(x; 0, I) per row of ``x`` [B, D] → [B], in x's dtype and device."""
         return gaussian.true_log_density(x)
 
     def true_score(self, x: torch.Tensor) -> torch.Tensor:
+        """∇ₓ log N(x; 0, I) = −x, [B, D], in x's dtype and device."""
         return gaussian.true_score(x)
