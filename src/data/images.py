@@ -42,6 +42,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from src.data.contract import SPLITS, ScoreDataModule, check_split
+from src.data.datamodules import _positive_int
 
 PIXEL_RANGES = ("unit", "symmetric")
 _SPLIT_CODES = {"train": 1, "val": 2, "test": 3}
@@ -246,12 +247,6 @@ def split_indices(
 
 
 # ---------------------------------------------------------------------------------------------- module
-def _positive_int(label: str, value) -> int:
-    if isinstance(value, bool) or int(value) != value or int(value) < 1:
-        raise ValueError(f"{label}={value!r} is invalid: it must be an integer >= 1")
-    return int(value)
-
-
 class ImageDataModule(ScoreDataModule):
     """Base of the image data modules: options, splits, loaders and the contract (module docstring).
 
