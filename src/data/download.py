@@ -123,7 +123,7 @@ def _missing_message(spec: RemoteFile, root: str | os.PathLike, reason: str) -> 
     searched = ", ".join(str(p) for p in spec.candidates(root))
     if spec.urls:
         mirrors = f" (mirrors: {', '.join(spec.urls[1:])})" if len(spec.urls) > 1 else ""
-        source = f"Its original source is {spec.urls[0]}{mirrors}."
+        source = f"It is downloaded from {spec.urls[0]}{mirrors}."
     else:
         source = "It has no programmatic download" + (f": get it from {spec.page}." if spec.page else ".")
     return (

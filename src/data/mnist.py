@@ -138,15 +138,10 @@ def write_idx(path: str | os.PathLike, tensor: torch.Tensor | np.ndarray, compre
 SUBDIR, EXTRA_DIRS = "mnist", ("MNIST/raw",)
 
 
-def search_dirs(root: str | os.PathLike) -> list[Path]:
-    """The folders looked in, in order: ``<root>/mnist``, ``<root>/MNIST/raw``, ``<root>``."""
-    root = Path(root).expanduser()
-    return [root / SUBDIR, *(root / d for d in EXTRA_DIRS), root]
-
-
 def remote_file(name: str) -> RemoteFile:
-    """The download spec of MNIST file ``name`` (e.g. ``train-images-idx3-ubyte``): ``<name>.gz`` from every
-    mirror of :data:`MIRRORS`, with its md5; the uncompressed ``<name>`` is accepted when found."""
+    """The download spec of MNIST file ``name`` (e.g. ``train-images-idx3-ubyte``): ``<name>.gz`` (or the
+    uncompressed ``<name>``) looked for in ``<root>/mnist``, ``<root>/MNIST/raw`` and ``<root>``, downloaded
+    from every mirror of :data:`MIRRORS` in turn, md5-checked."""
     urls = [f"{mirror}{name}.gz" for mirror in MIRRORS]
     return RemoteFile(f"{name}.gz", SUBDIR, urls[0], md5=MD5[name], mirrors=tuple(urls[1:]),
                       extra_dirs=EXTRA_DIRS, alt_names=(name,))
