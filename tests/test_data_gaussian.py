@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from src.data import gaussian
+from src.data.contract import DataContractError, ScoreDataModule
 from src.data.datamodules import GaussianDataModule
 
 
@@ -104,3 +105,20 @@ def test_batches_are_plain_tensors():
     assert torch.equal(torch.cat(train).sort(0).values, dm.train_data.sort(0).values)
     assert torch.equal(torch.cat(list(dm.val_dataloader())), dm.val_data)
     assert [b.shape[0] for b in dm.test_dataloader()] == [20]
+
+
+def test_gaussian_follows_the_data_contract_in_float64():
+    dm = GaussianDataModule(dim=3, n_train=10, n_val=4, n_test=5, seed=2)
+    assert isinstance(dm, ScoreDataModule) and dm.has_ground_truth and not dm.is_image
+    assert dm.data_shape == (3,) and dm.data_dim == 3
+    dm.setup()
+    x32 = dm.split_tensor("test", 3)
+    assert x32.dtype == torch.float32 and torch.equal(x32, dm.test_data[:3])
+    x = torch.tensor([[0.5, -1.0, 2.0], [1e-9, 0.0, -3.0]], dtype=torch.float64)
+    score, logp = dm.true_score(x), dm.true_log_density(x)
+    assert score.dtype == torch.float64 and logp.dtype == torch.float64
+    assert score.tolist() == [[-0.5, 1.0, -2.0], [-1e-9, 0.0, 3.0]]  # exact in float64 (1e-9 is not in float32)
+    assert logp[0].item() == pytest.approx(-0.5 * 5.25 - 1.5 * math.log(2 * math.pi), abs=1e-14)
+    assert dm.true_log_density(x32).dtype == torch.float32
+    with pytest.raises(DataContractError):
+        dm.bits_per_dim(logp, x)

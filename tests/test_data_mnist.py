@@ -1,4 +1,5 @@
-"""MNIST without torchvision: IDX reader, file search and download (network monkeypatched), transforms, splits."""
+"""MNIST without torchvision: IDX reader, file search and download through src.data.download (network
+monkeypatched), transforms, splits, and the data contract of the logit-space module."""
 
 from __future__ import annotations
 
@@ -13,16 +14,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from src.data import download as dl
 from src.data import mnist as M
-
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+from src.data.contract import DataContractError, ScoreDataModule
 
 
 @pytest.fixture
-def shared_root() -> Path:
-    if not all((SHARED / "mnist" / f"{n}.gz").is_file() for n in M.FILES.values()):
-        pytest.skip(f"MNIST files not found under {SHARED / 'mnist'}")
-    return SHARED
+def shared_root(shared_data) -> Path:
+    if not all((shared_data / "mnist" / f"{n}.gz").is_file() for n in M.FILES.values()):
+        pytest.skip("the MNIST files are not in the verified data folder")
+    return shared_data
 
 
 def fake_mnist(folder: Path, n_train: int = 60, n_test: int = 40, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -96,10 +97,11 @@ def test_missing_files_error_says_where_and_how(tmp_path):
     with pytest.raises(FileNotFoundError) as info:
         M.load_mnist(tmp_path, download=False)
     msg = str(info.value)
-    assert "train-images-idx3-ubyte.gz not found" in msg
+    assert "'train-images-idx3-ubyte.gz' not found" in msg
     for searched in (tmp_path / "mnist", tmp_path / "MNIST" / "raw", tmp_path):
-        assert str(searched / "train-images-idx3-ubyte.gz") in msg
-    assert "download=False" in msg and "data.root=../shared/data" in msg
+        assert str(searched / "train-images-idx3-ubyte.gz") in msg and str(searched / "train-images-idx3-ubyte") in msg
+    assert "download=False" in msg and "data.root" in msg
+    assert all(f"{m}train-images-idx3-ubyte.gz" in msg for m in M.MIRRORS)
 
 
 # ------------------------------------------------------------------------------------------ download
@@ -127,7 +129,7 @@ def test_download_checks_md5_and_falls_back_to_the_second_mirror(tmp_path, monke
     pages: dict[str, bytes | Exception] = {f"{first}{n}.gz": urllib.error.URLError("no route to host") for n in blobs}
     pages.update({f"{second}{n}.gz": b for n, b in blobs.items()})
     web = FakeWeb(pages)
-    monkeypatch.setattr(M, "_urlopen", web)
+    monkeypatch.setattr(dl, "_urlopen", web)
 
     root = tmp_path / "data"
     loaded = M.load_mnist(root, download=True)
@@ -141,14 +143,16 @@ def test_download_checks_md5_and_falls_back_to_the_second_mirror(tmp_path, monke
 
 def test_download_with_wrong_md5_fails_clearly_and_leaves_nothing(tmp_path, monkeypatch):
     web = FakeWeb({f"{m}{n}.gz": b"corrupted bytes" for m in M.MIRRORS for n in M.FILES.values()})
-    monkeypatch.setattr(M, "_urlopen", web)
+    monkeypatch.setattr(dl, "_urlopen", web)
     with pytest.raises(FileNotFoundError) as info:
         M.load_mnist(tmp_path, download=True)
     msg = str(info.value)
     bad = hashlib.md5(b"corrupted bytes").hexdigest()
-    assert f"md5 mismatch (expected f68b3c2dcbeaaa9fbdd348bbdeb94873, got {bad})" in msg
-    assert all(f"{m}train-images-idx3-ubyte.gz" in msg for m in M.MIRRORS)
-    assert "data.root=../shared/data" in msg
+    for m in M.MIRRORS:  # both mirrors tried, each failure named
+        url = f"{m}train-images-idx3-ubyte.gz"
+        assert f"md5 mismatch for {url}: expected f68b3c2dcbeaaa9fbdd348bbdeb94873, got {bad}" in msg
+    assert web.asked == [f"{m}train-images-idx3-ubyte.gz" for m in M.MIRRORS]
+    assert "data.root" in msg
     assert list((tmp_path / "mnist").iterdir()) == []
 
 
@@ -266,3 +270,32 @@ def test_reference_split_and_no_dequantization(tmp_path):
     assert torch.equal(dm.test_data, expected)
     with pytest.raises(ValueError, match="split"):
         M.MNISTDataModule(tmp_path, split=(0.5, 0.6, 0.1))
+
+
+def test_logit_module_follows_the_data_contract(tmp_path):
+    fake_mnist(tmp_path / "mnist", n_train=60, n_test=40)
+    dm = M.MNISTDataModule(tmp_path, download=False, limit=50)
+    assert isinstance(dm, ScoreDataModule)
+    assert dm.data_shape == (784,) and dm.data_dim == 784 and dm.image_shape == (1, 28, 28)
+    assert dm.is_image and dm.has_bits_per_dim and not dm.has_ground_truth
+    with pytest.raises(RuntimeError, match="setup"):
+        dm.split_tensor("val")
+    dm.setup()
+    val = dm.split_tensor("val", 4)
+    assert val.shape == (4, 784) and val.dtype == torch.float32 and torch.equal(val, dm.val_data[:4])
+    assert torch.equal(dm.split_tensor("test"), dm.test_data) and dm.split_tensor("train").shape == (35, 784)
+    other = M.MNISTDataModule(tmp_path, download=False, limit=50)
+    other.setup()
+    assert torch.equal(other.split_tensor("train", 10), dm.split_tensor("train", 10))
+    with pytest.raises(ValueError, match="split='dev'"):
+        dm.split_tensor("dev")
+    # to_pixels and bits_per_dim follow float64 inputs; the pixels are the bytes' bins
+    y64 = val.double()
+    pix = dm.to_pixels(y64)
+    assert pix.dtype == torch.float64 and pix.shape == (4, 1, 28, 28)
+    assert torch.equal(torch.floor(pix.flatten(1) * 256).clamp(max=255).long(), dm.val_bytes[:4].long())
+    log_p = -M.logit_log_det_jacobian(M.from_logit(y64))  # uniform pixel model: 8 bits/dim
+    bpd = dm.bits_per_dim(log_p, y64)
+    assert bpd.dtype == torch.float64 and (bpd - 8.0).abs().max().item() < 1e-6
+    with pytest.raises(DataContractError):
+        dm.true_score(y64)

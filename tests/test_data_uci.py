@@ -3,6 +3,7 @@ and the UCIDataModule. The network is never used: the URL opener is monkeypatche
 
 from __future__ import annotations
 
+import hashlib
 import io
 import urllib.error
 from pathlib import Path
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 from src.data import download as dl
+from src.data.contract import DataContractError, ScoreDataModule
 from src.data.datamodules import UCIDataModule
 from src.data.preprocessing import (
     dequantize,
@@ -23,7 +25,6 @@ from src.data.preprocessing import (
 )
 from src.data.uci import DATASETS, drop_correlated_columns, parse_parkinsons, parse_wine
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 RED = ("wine-quality", "winequality-red.csv")
 PARKINSONS_COLUMNS = [
     "test_time",
@@ -59,10 +60,8 @@ WINE_HEADER = [
 
 
 @pytest.fixture
-def shared() -> Path:
-    if not SHARED.is_dir():
-        pytest.skip(f"the verified UCI files are not at {SHARED} (expected ../shared/data next to the repo)")
-    return SHARED
+def shared(shared_data) -> Path:
+    return shared_data
 
 
 def write_wine(
@@ -270,7 +269,7 @@ def test_missing_file_without_download_names_file_path_url_and_remedy(tmp_path):
     assert "winequality-red.csv" in msg
     assert str(root / "wine-quality" / "winequality-red.csv") in msg
     assert DATASETS["redwine"].file.url in msg
-    assert "download=False" in msg and "data.root" in msg and "../shared/data" in msg
+    assert "download=False" in msg and "data.root" in msg
     assert not root.exists()
 
 
@@ -412,3 +411,48 @@ def test_datamodule_validates_name_and_dim(tmp_path):
     for bad in ({"split": "random"}, {"whiten_on": "test"}, {"batch_size": 0}):
         with pytest.raises(ValueError):
             UCIDataModule("redwine", str(tmp_path), **bad)
+
+
+def test_mirrors_are_tried_in_order_and_a_manual_file_names_its_page(tmp_path, monkeypatch):
+    payload = b"a,b\n1,2\n"
+    spec = dl.RemoteFile("t.csv", "sub", "https://first.invalid/t.csv", md5=hashlib.md5(payload).hexdigest(),
+                         mirrors=("https://second.invalid/t.csv", "https://third.invalid/t.csv"))
+    asked = []
+
+    def serve(url, timeout=None):
+        asked.append(url)
+        if "first" in url:
+            raise urllib.error.URLError("no route to host")
+        return FakeResponse(b"<html>wrong</html>" if "second" in url else payload)
+
+    monkeypatch.setattr(dl, "_urlopen", serve)
+    assert dl.ensure_file(spec, tmp_path) == tmp_path / "sub" / "t.csv"
+    assert asked == list(spec.urls) and (tmp_path / "sub" / "t.csv").read_bytes() == payload
+    assert sorted(p.name for p in (tmp_path / "sub").iterdir()) == ["t.csv"]  # the bad copy was not kept
+    assert dl.ensure_file(spec, tmp_path, download=False) == tmp_path / "sub" / "t.csv"
+
+    manual = dl.RemoteFile("list.txt", "set", None, page="https://example.invalid/page.html")
+    with pytest.raises(FileNotFoundError) as info:
+        dl.ensure_file(manual, tmp_path, download=True)
+    msg = str(info.value)
+    assert "'list.txt' not found" in msg and str(tmp_path / "set" / "list.txt") in msg
+    assert "no programmatic download" in msg and "https://example.invalid/page.html" in msg
+    assert asked == list(spec.urls)  # no network for a file that has no URL
+
+
+def test_uci_module_follows_the_data_contract(tmp_path):
+    write_wine(tmp_path / "winequality-red.csv", n=100)
+    dm = UCIDataModule("redwine", str(tmp_path), download=False)
+    assert isinstance(dm, ScoreDataModule) and not (dm.has_ground_truth or dm.is_image or dm.has_bits_per_dim)
+    with pytest.raises(RuntimeError, match="setup"):
+        _ = dm.data_shape
+    dm.setup()
+    assert dm.data_shape == (11,) and dm.data_dim == 11 and dm.dim == 11
+    assert UCIDataModule("redwine", str(tmp_path), dim=11).data_shape == (11,)
+    val = dm.split_tensor("val", 5)
+    assert val.dtype == torch.float32 and torch.equal(val, dm.val_data[:5])
+    assert torch.equal(dm.split_tensor("test"), dm.test_data)
+    with pytest.raises(DataContractError, match="ground-truth"):
+        dm.true_score(val)
+    with pytest.raises(DataContractError, match="no images"):
+        dm.to_pixels(val)

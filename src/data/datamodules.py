@@ -1,7 +1,10 @@
 """LightningDataModules for the DKEF experiments: UCI (Parkinsons, RedWine, WhiteWine) and N(0, I_D).
 
-Both hold whole splits in memory as float32 tensors ``train_data``, ``val_data``, ``test_data`` [N, D]
-(available after :meth:`setup`) and give batches as plain tensors [B, D]. The training loader reshuffles
+Both are :class:`~src.data.contract.ScoreDataModule` s with ``data_shape = (D,)``. They hold whole splits
+in memory as float32 tensors ``train_data``, ``val_data``, ``test_data`` [N, D] (available after
+:meth:`setup`; ``split_tensor(split, n)`` gives their first ``n`` rows) and give batches as plain tensors
+[B, D]. The Gaussian also offers its ground truth (``has_ground_truth``: ``true_log_density``,
+``true_score``, in the dtype and device of their argument). The training loader reshuffles
 every epoch (``drop_last=False``); the val/test loaders keep the order. :meth:`setup` is idempotent: the
 data are built once per module and never re-randomised.
 """
@@ -60,8 +63,12 @@ class _InMemoryDataModule(ScoreDataModule):
         self.val_data: torch.Tensor | None = None
         self.test_data: torch.Tensor | None = None
 
+    dim: int | None
+
     @property
     def data_shape(self) -> tuple[int, ...]:
+        if self.dim is None:
+            raise RuntimeError(f"{type(self).__name__}: the dimension is known after setup() (or pass dim=)")
         return (int(self.dim),)
 
     def _loader(self, data: torch.Tensor | None, batch_size: int, shuffle: bool) -> DataLoader:
@@ -88,7 +95,7 @@ class _InMemoryDataModule(ScoreDataModule):
 
 
 class UCIDataModule(_InMemoryDataModule):
-    """Parkinsons / RedWine / WhiteWine, preprocessed as in DESIGN §4 (see :mod:`src.data.preprocessing`).
+    """Parkinsons / RedWine / WhiteWine, preprocessed as in the DKEF reference (see :mod:`src.data.preprocessing`).
 
     Files are read from ``root`` (``root/wine-quality/winequality-red.csv``,
     ``root/parkinsons-telemonitoring/parkinsons_updrs.data``, or the file directly in ``root``) and
@@ -211,7 +218,9 @@ class GaussianDataModule(_InMemoryDataModule):
         self.train_data, self.val_data, self.test_data = (torch.from_numpy(a) for a in parts)
 
     def true_log_density(self, x: torch.Tensor) -> torch.Tensor:
+        """log N(x; 0, I) per row of ``x`` [B, D] → [B], in x's dtype and device."""
         return gaussian.true_log_density(x)
 
     def true_score(self, x: torch.Tensor) -> torch.Tensor:
+        """∇ₓ log N(x; 0, I) = −x, [B, D], in x's dtype and device."""
         return gaussian.true_score(x)

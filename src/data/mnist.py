@@ -2,8 +2,8 @@
 
 No torchvision: the four original IDX files are read directly. They are looked for in ``<root>/mnist/``,
 ``<root>/MNIST/raw/`` (torchvision's layout) and ``<root>/``, gzipped or not. When missing and
-``download=True`` they are fetched from the original source (torchvision's mirror first, then
-yann.lecun.com) to a temporary file, md5-checked, and renamed into ``<root>/mnist/`` atomically.
+``download=True`` the downloader of :mod:`src.data.download` fetches them (torchvision's mirror first,
+then yann.lecun.com), md5-checked, into ``<root>/mnist/`` atomically.
 
 Transforms (pure functions, any tensor shape)
 ---------------------------------------------
@@ -35,18 +35,16 @@ A model gives log p_Y(y) in logit space. With u = v + noise ∈ [0, 256)^D and x
 Averaged over the dequantisation noise this is an upper bound on the discrete model's bits/dim (Theis et
 al. 2016). :func:`logit_log_det_jacobian` (from x) and :func:`bits_per_dim` (from y) implement it.
 The reference code and the paper report log p_Y (logit space, no Jacobians): that is ``log_likelihood``
-of the model on the batches of :class:`MNISTDataModule`.
+of the model on the batches of :class:`MNISTDataModule`, a :class:`~src.data.contract.ScoreDataModule`
+with ``is_image`` and ``has_bits_per_dim``. The images themselves, as ``[B, 1, 28, 28]`` batches for image
+score models, are :mod:`src.data.mnist_images`.
 """
 
 from __future__ import annotations
 
 import gzip
-import hashlib
 import math
 import os
-import tempfile
-import urllib.error
-import urllib.request
 import zlib
 from collections.abc import Sequence
 from pathlib import Path
@@ -55,7 +53,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from src.data.contract import ScoreDataModule
+from src.data.contract import ScoreDataModule, check_split
+from src.data.download import RemoteFile, ensure_file
 
 # ---------------------------------------------------------------------------------------------- files
 FILES = {
@@ -74,7 +73,6 @@ MIRRORS = (
     "https://ossci-datasets.s3.amazonaws.com/mnist/",  # torchvision's mirror
     "http://yann.lecun.com/exdb/mnist/",  # the original
 )
-DOWNLOAD_TIMEOUT_S = 60.0
 
 # IDX type codes -> big-endian numpy dtypes
 _IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
@@ -98,7 +96,7 @@ def read_idx(path: str | os.PathLike) -> torch.Tensor:
     except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise IDXFormatError(
             f"{path}: corrupt or truncated gzip file ({exc}). Delete it and download it again "
-            "(or copy a verified one, e.g. from ../shared/data/mnist/)."
+            "(or copy a verified one)."
         ) from exc
     if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES or data[3] < 1:
         raise IDXFormatError(
@@ -137,91 +135,23 @@ def write_idx(path: str | os.PathLike, tensor: torch.Tensor | np.ndarray, compre
     return path
 
 
-def search_dirs(root: str | os.PathLike) -> list[Path]:
-    """The folders looked in, in order: ``<root>/mnist``, ``<root>/MNIST/raw``, ``<root>``."""
-    root = Path(root).expanduser()
-    return [root / "mnist", root / "MNIST" / "raw", root]
+SUBDIR, EXTRA_DIRS = "mnist", ("MNIST/raw",)
 
 
-def find_file(root: str | os.PathLike, name: str) -> Path | None:
-    """First of ``<dir>/<name>.gz`` or ``<dir>/<name>`` over :func:`search_dirs`, or None."""
-    for folder in search_dirs(root):
-        for candidate in (folder / f"{name}.gz", folder / name):
-            if candidate.is_file():
-                return candidate
-    return None
-
-
-# the opener the downloader uses; tests replace it (the network is never needed to test this module)
-_urlopen = urllib.request.urlopen
-
-
-def _md5(path: Path) -> str:
-    digest = hashlib.md5()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def download_file(name: str, folder: str | os.PathLike, mirrors: Sequence[str] = MIRRORS) -> Path:
-    """Download ``<name>.gz`` into ``folder`` from the first mirror that serves it with the right md5.
-
-    The bytes go to a temporary file in ``folder`` that is renamed into place only after its md5 matched,
-    so an interrupted or concurrent download never leaves a partial file under the final name.
-    Raises ``FileNotFoundError`` listing every mirror tried and why it failed.
-    """
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    target = folder / f"{name}.gz"
-    expected = MD5[name]
-    failures = []
-    for mirror in mirrors:
-        url = f"{mirror}{name}.gz"
-        fd, tmp_name = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".part")
-        tmp = Path(tmp_name)
-        try:
-            digest = hashlib.md5()
-            with os.fdopen(fd, "wb") as out, _urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response:
-                for chunk in iter(lambda: response.read(1 << 20), b""):
-                    digest.update(chunk)
-                    out.write(chunk)
-            got = digest.hexdigest()
-            if got != expected:
-                failures.append(f"{url}: md5 mismatch (expected {expected}, got {got})")
-                continue
-            os.replace(tmp, target)
-            return target
-        except (urllib.error.URLError, OSError, ValueError) as exc:  # HTTPError and timeouts included
-            failures.append(f"{url}: {type(exc).__name__}: {exc}")
-        finally:
-            tmp.unlink(missing_ok=True)
-    raise FileNotFoundError(f"could not download {name}.gz:\n  " + "\n  ".join(failures))
+def remote_file(name: str) -> RemoteFile:
+    """The download spec of MNIST file ``name`` (e.g. ``train-images-idx3-ubyte``): ``<name>.gz`` (or the
+    uncompressed ``<name>``) looked for in ``<root>/mnist``, ``<root>/MNIST/raw`` and ``<root>``, downloaded
+    from every mirror of :data:`MIRRORS` in turn, md5-checked."""
+    urls = [f"{mirror}{name}.gz" for mirror in MIRRORS]
+    return RemoteFile(f"{name}.gz", SUBDIR, urls[0], md5=MD5[name], mirrors=tuple(urls[1:]),
+                      extra_dirs=EXTRA_DIRS, alt_names=(name,))
 
 
 def locate_mnist(root: str | os.PathLike, download: bool = True) -> dict[str, Path]:
-    """Paths of the four MNIST files under ``root``, downloading the missing ones when ``download``."""
-    found: dict[str, Path] = {}
-    for key, name in FILES.items():
-        path = find_file(root, name)
-        if path is None:
-            reason = "download=False"
-            if download:
-                try:
-                    path = download_file(name, search_dirs(root)[0])
-                except FileNotFoundError as exc:
-                    reason = str(exc)
-            if path is None:
-                searched = "\n  ".join(str(d / f"{name}.gz") for d in search_dirs(root))
-                raise FileNotFoundError(
-                    f"MNIST file {name}.gz not found. Searched:\n  {searched}\n({reason})\n"
-                    f"Fix: place the four MNIST IDX files ({', '.join(f + '.gz' for f in FILES.values())}) "
-                    f"in {search_dirs(root)[0]}, or point data.root at a folder that has them "
-                    "(e.g. data.root=../shared/data, which holds verified copies), or allow downloads "
-                    "(data.download=true) on a machine with internet access."
-                )
-        found[key] = path
-    return found
+    """Paths of the four MNIST files under ``root``, downloading the missing ones when ``download``.
+
+    Raises FileNotFoundError naming the missing file, the places searched and the mirrors tried."""
+    return {key: ensure_file(remote_file(name), root, download=download) for key, name in FILES.items()}
 
 
 def load_mnist(root: str | os.PathLike, download: bool = True) -> dict[str, torch.Tensor]:
@@ -346,6 +276,10 @@ class DequantizeLogit:
 class MNISTDataModule(ScoreDataModule):
     """MNIST in logit space, flat ``[B, 784]`` float32 batches (paper §4.3).
 
+    Contract: ``data_shape = (784,)``; ``split_tensor`` gives the fixed-noise logit splits; ``is_image``
+    (``to_pixels`` maps logit samples back to ``[B, 1, 28, 28]`` images in [0, 1]); ``has_bits_per_dim``
+    (pixel-space bits/dim with every Jacobian of dequantisation, squash and logit).
+
     - ``split=(0.7, 0.2, 0.1)``: fractions of all 70 000 images (train + t10k pooled, as the paper does):
       49 000 / 14 000 / 7 000, from a permutation seeded by ``seed`` (global RNG untouched).
       ``split="reference"``: the reference code's 90/10 split of the 60 000 training images, test = t10k.
@@ -360,8 +294,6 @@ class MNISTDataModule(ScoreDataModule):
     """
 
     dim = 784
-    data_shape = (784,)
-    image_shape = (1, 28, 28)
     is_image = True
     has_bits_per_dim = True
 
@@ -517,9 +449,22 @@ class MNISTDataModule(ScoreDataModule):
     def test_dataloader(self) -> DataLoader:
         return self._eval_loader("test")
 
-    # ------------------------------------------------------------------ helpers
+    # ------------------------------------------------------------------ contract
+    @property
+    def data_shape(self) -> tuple[int, ...]:
+        return (784,)
+
+    @property
+    def image_shape(self) -> tuple[int, int, int]:
+        return (1, 28, 28)
+
+    def split_tensor(self, split: str, n: int | None = None) -> torch.Tensor:
+        """The first ``n`` rows of ``split`` in logit space, float32 ``[n, 784]``, with the fixed noise."""
+        data = self.fixed_logit(check_split(split))
+        return data if n is None else data[: int(n)]
+
     def to_pixels(self, y: torch.Tensor) -> torch.Tensor:
-        """Logit-space samples ``[B, 784]`` → images ``[B, 1, 28, 28]`` in [0, 1] (for sample grids)."""
+        """Logit-space samples ``[B, 784]`` → images ``[B, 1, 28, 28]`` in [0, 1] (y's dtype and device)."""
         x = from_logit(y.reshape(-1, *self.image_shape), self.logit_eps, self.squash)
         return x.clamp(0.0, 1.0)
 
