@@ -88,7 +88,7 @@ class _InMemoryDataModule(L.LightningDataModule):
 
 
 class UCIDataModule(_InMemoryDataModule):
-    """Parkinsons / RedWine / WhiteWine, preprocessed as in DESIGN §4 (see :mod:`src.data.preprocessing`).
+    """Parkinsons / RedWine / WhiteWine, preprocessed as in docs/data.md §1 (see :mod:`src.data.preprocessing`).
 
     Files are read from ``root`` (``root/wine-quality/winequality-red.csv``,
     ``root/parkinsons-telemonitoring/parkinsons_updrs.data``, or the file directly in ``root``) and

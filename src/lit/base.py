@@ -5,7 +5,7 @@ override ``training_objective`` (e.g. DKEF fits α on half the batch) and ``test
 
 Evaluation always computes the *exact* SM loss (eq. 1, per sample, not divided by D) — the common yardstick
 of the paper and the reference code — under ``torch.enable_grad()``, because a score needs autograd even at
-test time (DESIGN §2: run the Trainer with ``inference_mode=False``).
+test time (docs/deq.md §8: run the Trainer with ``inference_mode=False``).
 """
 
 from __future__ import annotations
