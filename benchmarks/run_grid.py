@@ -11,7 +11,12 @@ Each job is one ``python -m src.train`` process (the command a user types; ``--s
 Results are rewritten after every job (``<grid>.json``: raw metrics, commands, machine; ``<grid>.md``: one
 table per data set, mean ± std over seeds, the paper's figures beside ours, the targets checked; plus the
 figures ``<grid>_fig*.png``) in ``--out`` (default ``benchmarks/results``). A job whose run directory already
-holds a ``metrics.json`` is not run again unless ``--rerun``.
+holds a ``metrics.json`` is not run again unless ``--rerun``; ``--render`` runs nothing and rebuilds the
+markdown and figures from the saved JSON (no run directories needed).
+
+The paper-specific parts live here (the grids, the paper's numbers, the target verdicts); loading runs,
+mean ± std cells, markdown tables and the figure boilerplate come from :mod:`src.reporting`, shared with
+``python -m src.report``.
 """
 
 from __future__ import annotations
@@ -31,7 +36,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.report import summarise
+from src.reporting import (
+    figure,
+    format_summary,
+    group_rows,
+    load_run,
+    markdown_table,
+    read_overrides,
+    scale_of,
+    summarise,
+)
 
 NICE_COLUMNS = [
     ("test/sm_loss", "test SM loss", 1), ("test/log_likelihood", "test LL (logit space)", 1),
@@ -116,12 +130,8 @@ GRIDS = {"nice": (nice_grid, NICE_COLUMNS), "dkef": (dkef_grid, DKEF_COLUMNS)}
 
 
 def fmt(values, digits, key):
-    m, s, n = summarise(values)
-    if n == 0:
-        return "—"
-    if "bytes" in key:
-        m, s = m / 1e6, s / 1e6
-    return f"{m:.{digits}f}" + (f" ± {s:.{digits}f}" if n > 1 else "")
+    """The ``mean ± std`` cell of one metric over seeds (bytes in MB)."""
+    return format_summary(key, *summarise(values), digits)
 
 
 def finished_rows(results, group, method) -> list[dict]:
@@ -182,18 +192,18 @@ def to_markdown(results, columns, meta) -> str:
         lines += ["Collected from finished runs (`--collect`): the grids that ran them are "
                   + "; ".join(f"`{c}`" for c in meta.get("grid_commands", [])) + ". Each job's own `src.train` "
                   "command is in the JSON.", ""]
-    for g in dict.fromkeys(r["group"] for r in results):
-        rows = [r for r in results if r["group"] == g]
+    for g, rows in group_rows(results, lambda r: r["group"]).items():
         has = [(k, t, d) for k, t, d in columns if any(r["metrics"].get(k) is not None for r in rows)]
         head = ["method", "seeds", *(t for _, t, _ in has), "paper SM / LL" + (" / Fisher" if "gaussian" in g else "")
                 + " / GB"]
-        lines += [f"### {g}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for method in dict.fromkeys(r["method"] for r in rows):
+        body = []
+        for method in group_rows(rows, lambda r: r["method"]):
             ok = finished_rows(rows, g, method)
             paper = PAPER.get((g, method))
             ptxt = " / ".join(f"{v:g}" for v in paper if v is not None) if paper else "—"
-            cells = [method, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has] + [ptxt]
-            lines.append("| " + " | ".join(cells) + " |")
+            body.append([method, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has]
+                        + [ptxt])
+        lines += [f"### {g}", "", *markdown_table(head, body)]
         true_ll = mean_of(results, g, "DEQ-SM", "test/true_log_likelihood")
         if true_ll is not None:
             lines += ["", f"Ground-truth test log-likelihood: {true_ll:.2f}"]
@@ -208,15 +218,15 @@ def to_markdown(results, columns, meta) -> str:
     return "\n".join(lines) + "\n"
 
 
+def render(data: dict, grid: str) -> str:
+    """The markdown of a saved ``<grid>.json`` (``{"meta", "jobs"}``): a pure function of the file's content."""
+    return to_markdown(data["jobs"], GRIDS[grid][1], data["meta"])
+
+
 def plot(results, out: Path, stem: str) -> list[Path]:
     """Figures 2 and 3 of the paper: per data set, bars of test SM loss, test LL (Fisher div.) and memory."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     written = []
-    groups = list(dict.fromkeys(r["group"] for r in results if r["ok"]))
+    groups = list(group_rows([r for r in results if r["ok"]], lambda r: r["group"]))
     for name, gs in (("fig2_uci", [g for g in groups if g in UCI]),
                      ("fig3_gaussian", [g for g in groups if g.startswith("gaussian")]),
                      ("mnist", [g for g in groups if g == "mnist"])):
@@ -226,29 +236,25 @@ def plot(results, out: Path, stem: str) -> list[Path]:
         if name.startswith("fig3"):
             keys.append(("test/fisher_divergence", "Fisher div. ↓"))
         keys += [("profile/saved_bytes_mean", "saved MB / step ↓"), ("profile/time_per_step_s", "s / step ↓")]
-        fig, axes = plt.subplots(len(gs), len(keys), figsize=(3.2 * len(keys), 2.6 * len(gs)), squeeze=False)
-        for i, g in enumerate(gs):
-            methods = list(dict.fromkeys(r["method"] for r in results if r["group"] == g and r["ok"]))
-            for j, (key, title) in enumerate(keys):
-                ax = axes[i][j]
-                vals = []
-                for m in methods:
-                    mu, sd, n = summarise([r["metrics"].get(key) for r in finished_rows(results, g, m)])
-                    scale = 1e6 if "bytes" in key else 1.0
-                    vals.append((mu / scale if n else 0.0, sd / scale if n else 0.0))
-                colors = ["C3" if m.startswith("DEQ") else "C0" for m in methods]
-                ax.bar(range(len(methods)), [v for v, _ in vals], yerr=[s for _, s in vals], color=colors)
-                if key == "test/log_likelihood" and vals:  # differences of a few nats: do not start at 0
-                    lo, hi = min(v for v, _ in vals), max(v for v, _ in vals)
-                    pad = 0.1 * (hi - lo) + 0.5
-                    ax.set_ylim(lo - pad, hi + pad)
-                ax.set_xticks(range(len(methods)))
-                ax.set_xticklabels(methods, rotation=60, ha="right", fontsize=7)
-                ax.set_title(f"{g}: {title}", fontsize=8)
-        fig.tight_layout()
         p = out / f"{stem}_{name}.png"
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
+        with figure(p, len(gs), len(keys), figsize=(3.2 * len(keys), 2.6 * len(gs)), dpi=110) as (_, axes):
+            for i, g in enumerate(gs):
+                methods = list(group_rows((r for r in results if r["group"] == g and r["ok"]), lambda r: r["method"]))
+                for j, (key, title) in enumerate(keys):
+                    ax = axes[i][j]
+                    vals = []
+                    for m in methods:
+                        mu, sd, n = summarise([r["metrics"].get(key) for r in finished_rows(results, g, m)])
+                        vals.append((mu / scale_of(key) if n else 0.0, sd / scale_of(key) if n else 0.0))
+                    colors = ["C3" if m.startswith("DEQ") else "C0" for m in methods]
+                    ax.bar(range(len(methods)), [v for v, _ in vals], yerr=[s for _, s in vals], color=colors)
+                    if key == "test/log_likelihood" and vals:  # differences of a few nats: do not start at 0
+                        lo, hi = min(v for v, _ in vals), max(v for v, _ in vals)
+                        pad = 0.1 * (hi - lo) + 0.5
+                        ax.set_ylim(lo - pad, hi + pad)
+                    ax.set_xticks(range(len(methods)))
+                    ax.set_xticklabels(methods, rotation=60, ha="right", fontsize=7)
+                    ax.set_title(f"{g}: {title}", fontsize=8)
         written.append(p)
     return written
 
@@ -273,11 +279,9 @@ def run_job(job, seed, args, runs: Path, env) -> dict:
     done = run_dir / "metrics.json"
     if done.exists() and not args.rerun:
         record["reused"] = True
-        ov_file = run_dir / ".hydra" / "overrides.yaml"
-        if ov_file.exists():  # the command that produced it, which may differ from this call's (--steps, --extra)
-            import yaml
-
-            record["command"] = "python -m src.train " + " ".join(map(str, yaml.safe_load(ov_file.read_text()) or []))
+        overrides = read_overrides(run_dir)
+        if overrides:  # the command that produced it, which may differ from this call's (--steps, --extra)
+            record["command"] = "python -m src.train " + " ".join(overrides)
     else:
         done.unlink(missing_ok=True)
         proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=env)
@@ -285,7 +289,7 @@ def run_job(job, seed, args, runs: Path, env) -> dict:
             record["error"] = proc.stderr[-2000:]
     record["wall_s"] = None if record.get("reused") else time.time() - t0  # not known for a reused run
     record["ok"] = done.exists() and "error" not in record
-    metrics = json.loads(done.read_text()) if record["ok"] else {}
+    metrics = load_run(run_dir)["metrics"] if record["ok"] else {}
     metrics.pop("config", None)
     record["metrics"] = metrics
     return record
@@ -315,8 +319,17 @@ def main(argv=None):
     p.add_argument("--variants", action="store_true",
                    help="dkef grid: add DEQ-SM with the explicit nets' width 30, with K = 2 and K = 1 phantom steps")
     p.add_argument("--extra", default="", help="extra overrides for every job, space separated")
+    p.add_argument("--render", action="store_true",
+                   help="run nothing: rewrite <name>.md and the figures from the saved <name>.json in --out")
     args = p.parse_args(argv)
     grid_fn, columns = GRIDS[args.grid]
+    if args.render:
+        stem = args.name or (args.grid + ("" if args.device == "cpu" else f"_{args.device}"))
+        data = json.loads((args.out / f"{stem}.json").read_text())
+        (args.out / f"{stem}.md").write_text(render(data, args.grid))
+        figures = plot(data["jobs"], args.out, stem)
+        print("wrote", args.out / f"{stem}.md", *figures)
+        return
     jobs = grid_fn(args)
     if args.methods:
         wanted = set(args.methods.split(","))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,19 @@ def test_targets_are_checked_with_the_right_ratios_and_verdicts():
     md = run_grid.to_markdown(results, run_grid.DKEF_COLUMNS, meta)
     row = next(r for r in md.splitlines() if r.startswith("| DEQ-SM | 2 |"))
     assert "-31.00 ± 1.41" in row and "44.0 ± 2.8" in row and row.endswith("-44.5 / -12.2 / 1.1 |")
+
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+
+
+@pytest.mark.parametrize("grid", ["dkef", "nice"])
+def test_committed_tables_are_rebuilt_exactly_from_their_json(grid):
+    data = json.loads((RESULTS / f"{grid}.json").read_text())
+    assert run_grid.render(data, grid) == (RESULTS / f"{grid}.md").read_text()
+
+
+def test_render_rewrites_markdown_and_figures_from_the_json_alone(tmp_path):
+    shutil.copy(RESULTS / "nice.json", tmp_path / "nice.json")
+    run_grid.main(["nice", "--render", "--out", str(tmp_path)])
+    assert (tmp_path / "nice.md").read_text() == (RESULTS / "nice.md").read_text()
+    assert (tmp_path / "nice_mnist.png").stat().st_size > 1000

@@ -95,7 +95,7 @@ class _InMemoryDataModule(ScoreDataModule):
 
 
 class UCIDataModule(_InMemoryDataModule):
-    """Parkinsons / RedWine / WhiteWine, preprocessed as in the DKEF reference (see :mod:`src.data.preprocessing`).
+    """Parkinsons / RedWine / WhiteWine, preprocessed as in docs/data.md §1 (see :mod:`src.data.preprocessing`).
 
     Files are read from ``root`` (``root/wine-quality/winequality-red.csv``,
     ``root/parkinsons-telemonitoring/parkinsons_updrs.data``, or the file directly in ``root``) and

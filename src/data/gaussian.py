@@ -1,7 +1,7 @@
-"""The high-dimensional Gaussian of the DKEF scalability experiment (paper Table 3).
+"""The high-dimensional Gaussian of the DKEF scalability experiment (paper Table 3; docs/data.md §2).
 
 Data are i.i.d. samples of N(0, I_D); the default sizes are 4860/600/540 train/val/test (the reference's
-``HighDim`` used 4860/540/600 — the same total, in another order). The ground truth is known:
+``HighDim`` used 4860/540/600 — the same total; the paper's order is kept). The ground truth is known:
 
     log p(x) = −½‖x‖² − (D/2) log 2π,        ∇ₓ log p(x) = −x,
 

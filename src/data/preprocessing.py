@@ -1,4 +1,4 @@
-"""UCI preprocessing of the DKEF experiments, as pure numpy functions.
+"""UCI preprocessing of the DKEF experiments (docs/data.md §1), as pure numpy functions.
 
 The pipeline of :func:`preprocess` (every step seeded from ``seed``; the global numpy/torch RNGs are never
 used or touched):

@@ -1,4 +1,4 @@
-"""UCI data sets of the DKEF experiments (paper Table 2): file specs, parsers, loading.
+"""UCI data sets of the DKEF experiments (paper Table 2; docs/data.md §1): file specs, parsers, loading.
 
 - ``redwine`` / ``whitewine``: ``winequality-{red,white}.csv`` (UCI id 186), ``;``-separated with a quoted
   header (a ``,``-separated re-saved copy, as the DEQ repo uses, is accepted too, and so is a leading

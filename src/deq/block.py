@@ -146,7 +146,7 @@ class DEQBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """z*(x), shaped ``state_shape(x)``; differentiable w.r.t. x (every order) and the parameters."""
         if torch.is_autocast_enabled(x.device.type):
-            # under bf16/fp16 autocast the solver residual stalls at 1e-2…1e-3 (DESIGN §2): solve in fp32
+            # under bf16/fp16 autocast the solver residual stalls at 1e-2…1e-3 (docs/deq.md §8): solve in fp32
             with torch.autocast(device_type=x.device.type, enabled=False):
                 return self._forward(x.float() if x.dtype in _LOW_PRECISION else x)
         return self._forward(x)

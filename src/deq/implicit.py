@@ -1,7 +1,7 @@
 """Exact implicit differentiation of a fixed point, to every order (paper Prop. 1, eqs. 8–9).
 
 ``fixed_point(phi, z0, params, solver)`` returns u* = φ(u*; p) solved under ``no_grad``, as the output of
-an autograd Function whose backward is itself differentiable (DESIGN §2, "a route that works"):
+an autograd Function whose backward is itself differentiable (docs/deq.md §6):
 
 - backward, given ū: the adjoint v solves v = ū + (∂_u φ(u*; p))ᵀ v (eq. 8 transposed). That equation is
   again a fixed point, of ψ(v; ū, u*, p) = ū + (∂_u φ)ᵀ v (linear in v, contracting at the forward rate),
@@ -10,9 +10,9 @@ an autograd Function whose backward is itself differentiable (DESIGN §2, "a rou
 - p̄ = (∂_p φ(u*; p))ᵀ v is a partial VJP taken w.r.t. fresh aliases ``p.view_as(p)`` while u* (saved as
   an *output*) stays attached, so p̄ is a composition of differentiable pieces and its derivatives are exact.
 
-Each of DESIGN §2's traps is silent; this module avoids them by construction: no ``@once_differentiable``
-(1), no hook-based adjoint (2), no ``detach`` of u* (3), the adjoint is a Function, not a bare no-grad solve
-(4), ``enable_grad`` in backward (5), aliases instead of the original tensors (6).
+Each trap listed in docs/deq.md §6 is silent; this module avoids them by construction: no
+``@once_differentiable`` (1), no hook-based adjoint (2), no ``detach`` of u* (3), the adjoint is a Function,
+not a bare no-grad solve (4), ``enable_grad`` in backward (5), aliases instead of the original tensors (6).
 
 Memory does not grow with solver iterations: the Function saves u* and p; each adjoint solve builds φ's
 graph once and runs one vector-Jacobian product per iteration on it (:meth:`_Adjoint.prepare`).

@@ -2,7 +2,7 @@
 
 - ``picard``: z ← f(z), the paper's choice (App. F); converges linearly at the contraction rate.
 - ``anderson``: Anderson acceleration with memory m; the Tikhonov regulariser of the small least-squares
-  problem is scaled to the Gram matrix's size (an absolute 1e-4 stalls; DESIGN §2, trap 8).
+  problem is scaled to the Gram matrix's size (an absolute 1e-4 stalls; docs/deq.md §3).
 - ``broyden``: limited-memory "good" Broyden on g(z) = f(z) − z, with a Picard step as fallback.
 
 Stopping: per sample, ‖f(z) − z‖ ≤ tol (``abs``) or ≤ tol·‖f(z)‖ (``rel``), L2 over non-batch dimensions;

@@ -3,7 +3,7 @@
 ``jvp(u, x, v)`` is computed with the double-backward trick: ``g = (∂u/∂x)ᵀ w`` for a dummy ``w``, then
 ``∂g/∂w · v = (∂u/∂x) v``. Unlike ``torch.func`` or forward-mode AD this works through any twice
 differentiable autograd graph, including the implicit DEQ Function (whose backward is differentiable but
-which has no forward-mode rule; DESIGN §2, trap 7). Every result keeps its graph, so parameter gradients
+which has no forward-mode rule; docs/deq.md §6, trap 7). Every result keeps its graph, so parameter gradients
 through it are exact.
 """
 

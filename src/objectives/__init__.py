@@ -1,4 +1,4 @@
-"""Score-matching objectives as pure functions of ``(model, x)`` (paper §2.1; DESIGN §3).
+"""Score-matching objectives as pure functions of ``(model, x)`` (paper §2.1; docs/objectives.md).
 
 =========  ==================================================  ======================
 name       per-sample loss                                     function

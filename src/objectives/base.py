@@ -1,7 +1,6 @@
 """Shared pieces of the score-matching objectives: the output record, the score, checks and helpers.
 
-Conventions (paper §2.1; reference code ``ermongroup/sliced_score_matching``, see
-``references/score-matching-reference-code.md`` §1):
+Conventions (paper §2.1; reference code ``ermongroup/sliced_score_matching``; see docs/objectives.md):
 
 * A *model* is any object with ``log_density(x) -> [B]`` (unnormalized log p̃, energy models such as DKEF
   and NICE) and/or ``score(x) -> x.shape`` (score networks: the VAE score estimator, NCSN).

@@ -12,7 +12,7 @@ routes compute the same numbers (agreement to ~1e-15 in float64; identical param
 ``"replicate"``  x is repeated D times along the batch (copy-major: row ``c·B + b`` is copy c of sample
                  b); the copies are independent samples, so ONE reverse pass of ``Σ_c Σ_b s_c(x_{c,b})``
                  gives every diagonal entry. Works through an implicit DEQ (where ``vmap`` and
-                 ``is_grads_batched`` fail: ``aten::detach`` has no batching rule, DESIGN §2 trap 7).
+                 ``is_grads_batched`` fail: ``aten::detach`` has no batching rule, docs/deq.md §6 trap 7).
                  Needs a model whose rows do not interact (no batch statistics) and costs D× the batch
                  in memory; ``max_copies_per_pass`` bounds it (then ⌈D / max_copies_per_pass⌉ forward
                  and reverse passes).

@@ -1,0 +1,71 @@
+"""The shared reporting library (src/reporting.py) and the sweep report built on it (src/report.py)."""
+
+from __future__ import annotations
+
+import json
+
+import yaml
+
+from src import report
+from src.reporting import (
+    figure,
+    format_summary,
+    group_rows,
+    load_run,
+    markdown_table,
+    parse_overrides,
+    summarise,
+    summarise_metrics,
+)
+
+
+def test_summaries_and_their_cells():
+    assert summarise([1.0, 3.0, None, float("nan")]) == (2.0, 2 ** 0.5, 2)
+    assert summarise([5.0]) == (5.0, 0.0, 1)
+    assert summarise([None])[2] == 0
+    assert format_summary("test/sm_loss", 2.0, 2 ** 0.5, 2, 2) == "2.00 ± 1.41"
+    assert format_summary("test/sm_loss", -3.0, 0.0, 1, 1) == "-3.0"  # one value: no ± 0
+    assert format_summary("profile/saved_bytes_mean", 44e6, 2.83e6, 2, 1) == "44.0 ± 2.8"  # bytes shown in MB
+    assert format_summary("n_params", float("nan"), float("nan"), 0, 0) == "—"
+    got = summarise_metrics([{"a": 1.0}, {"a": 2.0, "b": 7.0}], ["a", "b", "c"])
+    assert got["a"] == {"mean": 1.5, "std": 0.5 ** 0.5, "n": 2} and got["b"]["n"] == 1 and got["c"]["n"] == 0
+
+
+def test_grouping_keeps_first_seen_order_and_tables_render():
+    rows = [{"g": "b", "v": 1}, {"g": "a", "v": 2}, {"g": "b", "v": 3}]
+    groups = group_rows(rows, lambda r: r["g"])
+    assert list(groups) == ["b", "a"] and [r["v"] for r in groups["b"]] == [1, 3]
+    assert markdown_table(["x", "y"], [["1", "2"]]) == ["| x | y |", "|---|---|", "| 1 | 2 |"]
+
+
+def test_load_run_reads_metrics_and_overrides(tmp_path):
+    (tmp_path / ".hydra").mkdir()
+    (tmp_path / "metrics.json").write_text(json.dumps({"test/sm_loss": -1.5}))
+    (tmp_path / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["+loss=sm", "seed=1"]))
+    run = load_run(tmp_path)
+    assert run["metrics"] == {"test/sm_loss": -1.5} and run["overrides"] == ["+loss=sm", "seed=1"]
+    assert parse_overrides(run["overrides"]) == {"loss": "sm", "seed": "1"}
+    png = tmp_path / "f.png"
+    with figure(png, 1, 2) as (_, axes):
+        axes[0][1].plot([0, 1], [1, 0])
+    assert png.stat().st_size > 1000
+
+
+def _job(depth, seed, loss, saved):
+    metrics = {"test/sm_loss": loss, "profile/saved_bytes_mean": saved, "n_params": 10}
+    return {"dir": f"d{depth}s{seed}", "metrics": metrics,
+            "overrides": {"depth": str(depth), "seed": str(seed), "loss": "sm"}}
+
+
+def test_sweep_report_from_loaded_jobs_is_a_pure_function():
+    jobs = [_job(3, 0, -10.0, 2e6), _job(3, 1, -12.0, 4e6), _job(16, 0, -20.0, 8e6)]
+    rep = report.summarise_jobs(jobs)
+    assert rep["keys"] == ["depth"]  # seed averaged, loss never varies
+    assert [r["n_seeds"] for r in rep["rows"]] == [1, 2]  # rows sorted by the values' text
+    md = report.to_markdown(json.loads(json.dumps(rep)))  # the same from report.json
+    assert md.splitlines() == [
+        "| depth | seeds | test SM loss | params | saved MB/step |",
+        "|---|---|---|---|---|",
+        "| 16 | 1 | -20.00 | 10 | 8.00 |",
+        "| 3 | 2 | -11.00 ± 1.41 | 10 ± 0 | 3.00 ± 1.41 |",
+    ]
