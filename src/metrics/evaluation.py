@@ -208,7 +208,138 @@ class LogLikelihood(EvalMetric):
         self.parts = nn.ModuleDict()
 
 
+class NoiseConditionalLosses(EvalMetric):
+    """Test losses of a noise-conditional score network (NCSN) per noise level σᵢ and σ²-weighted overall.
+
+    For each loss in ``losses`` (``dsm``: ½‖s(x̃, i) + ε/σᵢ‖², the NCSN convention; ``ssm_vr``: eq. 4 on
+    x̃ = x + σᵢε) and each level i, every test point is perturbed at level i and its loss weighted by σᵢ²
+    (:func:`src.objectives.conditional.noise_conditional`). Reports ``test/<loss>_loss`` (the mean over
+    levels, i.e. the expectation under NCSN's uniform level distribution) and ``test/<loss>_loss/sigma_<i>``.
+    The perturbation noise is seeded (``seed``, batch number, level), so re-evaluation repeats exactly, and
+    drawn under ``torch.random.fork_rng`` so evaluation never moves the training RNG. The module provides
+    ``noise_levels`` (a 1-D tensor σ₁ > … > σ_L) and a model with ``score(x, labels)``.
+    """
+
+    name = "noise_conditional"
+    stages = ("test",)
+    LOSSES = ("dsm", "ssm_vr")
+
+    def __init__(self, losses: list[str] | tuple[str, ...] = ("dsm", "ssm_vr"), seed: int = 0,
+                 n_projections: int = 1):
+        super().__init__()
+        losses = [losses] if isinstance(losses, str) else list(losses)
+        bad = [n for n in losses if n not in self.LOSSES]
+        if bad or not losses:
+            raise ValueError(f"model.metrics.noise_conditional.losses={losses}: choose from {', '.join(self.LOSSES)}")
+        self.losses, self.seed, self.n_projections = losses, int(seed), int(n_projections)
+        self.acc = nn.ModuleDict()
+        self._batches = 0
+
+    def setup(self, module, datamodule):
+        if getattr(module, "noise_levels", None) is None:
+            raise ValueError(f"model.metrics.noise_conditional needs a noise-conditional model (noise_levels); "
+                             f"{type(module).__name__} has none")
+
+    def update(self, module, x, stage):
+        from src.objectives.conditional import noise_conditional
+        from src.objectives.registry import get_objective
+
+        sigmas = module.noise_levels.to(device=x.device, dtype=x.dtype)
+        self._batches += 1
+        for name in self.losses:
+            kwargs = {} if name == "dsm" else {"n_projections": self.n_projections}
+            objective = get_objective(name, **kwargs)
+            for i in range(sigmas.numel()):
+                labels = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
+                with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+                    torch.manual_seed(self.seed + 1_000_003 * self._batches + 7919 * i)
+                    with torch.enable_grad():
+                        out = noise_conditional(objective, module.eval_model(), x, sigmas, labels=labels,
+                                                create_graph=False)
+                key = f"{name}_{i}"
+                if key not in self.acc:
+                    self.acc[key] = _MeanAndStderr().to(x.device)
+                self.acc[key].update(out.per_sample)
+
+    def compute(self, module, stage):
+        out: dict[str, float] = {}
+        for name in self.losses:
+            levels = sorted((int(k.rsplit("_", 1)[1]), acc) for k, acc in self.acc.items()
+                            if k.rsplit("_", 1)[0] == name)
+            values = [acc.compute()[0] for _, acc in levels]
+            for i, v in zip([i for i, _ in levels], values):
+                out[f"test/{name}_loss/sigma_{i}"] = v
+            if values:
+                out[f"test/{name}_loss"] = float(sum(values) / len(values))
+        return out
+
+    def reset(self):
+        self.acc = nn.ModuleDict()
+        self._batches = 0
+
+
+class FID(EvalMetric):
+    """FID of ``n_samples`` generated images against ``n_samples`` real test images (:mod:`src.metrics.fid`).
+
+    ``kind``: ``mnist`` (the project's shipped MNIST classifier features) or ``inception`` (Inception-v3
+    from ``weights``, a file the user gives — CIFAR-10, CelebA). Samples come from ``module.sample_pixels``
+    (EMA weights when EMA is on), real images from the data contract's ``split_tensor("test")`` through
+    ``to_pixels``. Under DDP each rank draws its share of both sets and torchmetrics sums the feature
+    statistics across ranks. Computed once per test epoch, at its end.
+    """
+
+    name = "fid"
+    stages = ("test",)
+
+    def __init__(self, kind: str = "mnist", n_samples: int = 1000, weights: str | None = None,
+                 sha256: str | None = None, batch_size: int = 250, seed: int = 0):
+        super().__init__()
+        self.kind, self.n_samples, self.weights, self.sha256 = kind, int(n_samples), weights, sha256
+        self.batch_size, self.seed = int(batch_size), int(seed)
+        if self.n_samples < 2:
+            raise ValueError(f"model.metrics.fid.n_samples={n_samples}: FID needs at least 2 samples")
+        self._fid = None
+
+    def setup(self, module, datamodule):
+        if not datamodule.is_image:
+            raise ValueError(f"model.metrics.fid needs image data; {type(datamodule).__name__} holds none")
+        if self._fid is None:
+            from src.metrics.fid import build_fid
+
+            # kept out of the module tree: the feature network's weights must not enter checkpoints/optimisers
+            object.__setattr__(self, "_fid", build_fid(self.kind, self.weights, self.sha256))
+        self._dm = datamodule
+
+    def update(self, module, x, stage):
+        pass  # everything happens at the end of the epoch
+
+    def compute(self, module, stage):
+        trainer = module.trainer
+        world, rank = max(1, trainer.world_size), trainer.global_rank
+        share = range(rank, self.n_samples, world)  # this rank's indices of the n samples
+        fid = self._fid.to(module.device)
+        fid.reset()
+        real = self._dm.split_tensor("test", self.n_samples)
+        if real.shape[0] < self.n_samples:
+            raise ValueError(f"model.metrics.fid.n_samples={self.n_samples} exceeds the {real.shape[0]} test "
+                             "images: lower it")
+        real = self._dm.to_pixels(real[list(share)])
+        n_fake = len(share)
+        for start in range(0, max(real.shape[0], n_fake), self.batch_size):
+            if start < real.shape[0]:
+                fid.update(real[start:start + self.batch_size].to(module.device).float(), real=True)
+            if start < n_fake:
+                k = min(self.batch_size, n_fake - start)
+                fake = module.sample_pixels(k, seed=self.seed + 104729 * rank + start)
+                if fake is None:
+                    raise ValueError(f"model.metrics.fid: {type(module).__name__} does not generate samples")
+                fid.update(fake.to(module.device).float(), real=False)
+        return {"test/fid": float(fid.compute())}
+
+
 METRICS: dict[str, type[EvalMetric]] = {
+    NoiseConditionalLosses.name: NoiseConditionalLosses,
+    FID.name: FID,
     ExactSMLoss.name: ExactSMLoss,
     GroundTruthMetrics.name: GroundTruthMetrics,
     LogLikelihood.name: LogLikelihood,
