@@ -28,7 +28,7 @@ def test_dkef_float64_end_to_end(tmp_path, deq):
     cfg = compose_train([*FAST, "model=dkef", f"deq={deq}", "++trainer.precision=64-true",
                          "trainer.fast_dev_run=true", PROBE], tmp_path)
     train(cfg)
-    saved, test = _finite_metrics(tmp_path / "metrics.json")
+    _, test = _finite_metrics(tmp_path / "metrics.json")
     for key in ("test/sm_loss", "test/log_likelihood", "test/fisher_divergence", "test/true_log_likelihood"):
         assert math.isfinite(test[key]), key
     dtypes = {d for _, d in json.loads((tmp_path / "dtype_probe.json").read_text())}
