@@ -94,13 +94,21 @@ def test_corrupt_and_foreign_checkpoints_are_named(tmp_path):
 
 def test_ddp_two_cpu_processes_end_identical(tmp_path):
     run_dir = tmp_path / "ddp"
-    res = run_train([*FAST, "trainer=ddp_cpu", "trainer.max_epochs=2", "trainer.enable_progress_bar=false"], run_dir)
+    res = run_train([*FAST, "callbacks=default", "callbacks.progress_bar=null", "trainer=ddp_cpu",
+                     "trainer.max_epochs=2", "trainer.enable_progress_bar=false"], run_dir)
     assert res.returncode == 0, res.stderr[-4000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert metrics["ddp/world_size"] == 2
     fps = metrics["ddp/param_fingerprints"]
     assert len(fps) == 2 and fps[0] == fps[1] and metrics["ddp/ranks_identical"] is True
     assert all(k in metrics for k in ("test/sm_loss", "test/log_likelihood"))
+    # the test phase ran sharded over the 2 ranks (16 of the 32 test points each) and was reduced with
+    # torchmetrics: it equals one process testing the same checkpoint on the whole split
+    from src.evaluate import evaluate
+
+    single = evaluate(metrics["tested_checkpoint"])
+    for key in ("test/sm_loss", "test/log_likelihood", "test/fisher_divergence"):
+        assert metrics[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
 
 
 def test_report_over_two_sweeps(tmp_path):
