@@ -23,6 +23,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from src.callbacks.ema import check_resume
 from src.callbacks.profiling import ProfilingCallback
 from src.checkpoints import AtomicCheckpointIO, check_checkpoint
 
@@ -123,7 +124,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %s, %d parameters; output dir: %s", type(model).__name__, n_params, out_dir)
     if cfg.get("ckpt_path"):
-        check_checkpoint(cfg.ckpt_path)  # a clear error naming a truncated/foreign file, before Lightning
+        # a clear error naming a truncated/foreign file, or an EMA checkpoint resumed without ema=true
+        check_resume(check_checkpoint(cfg.ckpt_path), callbacks)
     # the checkpoint was just checked; it holds RNG states (numpy arrays), which weights_only=True refuses
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
 
