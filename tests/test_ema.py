@@ -7,6 +7,7 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from src.train import train
 from tests.conftest import FAST, compose_train
@@ -38,6 +39,8 @@ class Recorder(L.Callback):
 def run(overrides: list[str], out: Path, base: list[str] = RUN) -> tuple[dict, Recorder]:
     RECORDERS.clear()
     cfg = compose_train([*base, *overrides, f"+callbacks.recorder._target_={__name__}.Recorder"], out)
+    (out / ".hydra").mkdir(parents=True, exist_ok=True)  # as a Hydra run leaves it (src.evaluate reads it)
+    OmegaConf.save(cfg, out / ".hydra" / "config.yaml")
     metrics = train(cfg)
     assert len(RECORDERS) == 1
     return metrics, RECORDERS[0]
@@ -89,6 +92,12 @@ def test_ema_on_tests_the_average_of_the_steps(tmp_path, one_thread, checkpoints
         assert int(ckpt["averaging_state"]["n_averaged"]) == step
         ema_state = [v for k, v in ckpt["callbacks"].items() if k.startswith("EMA")]
         assert ema_state == [{"latest_update_step": step}]
+        # re-evaluating the checkpoint (a fresh Trainer, no callbacks) sees the same averaged weights
+        from src.evaluate import evaluate
+
+        ev = evaluate(metrics["tested_checkpoint"])
+        for key in ("test/sm_loss", "test/log_likelihood"):
+            assert ev[key] == pytest.approx(metrics[key], rel=1e-6, abs=1e-6), key
     expected = ema_by_hand(rec.steps, step, DECAY)
     assert_same(rec.tested, expected)
     # the average is not the last trained weights: the comparison above could tell them apart
