@@ -63,9 +63,16 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ever replaced by another finished one.
     """
 
+    def __init__(self, validators=()):
+        super().__init__()
+        self.validators = list(validators)  # callables (checkpoint dict) -> None that raise on a bad resume
+
     def load_checkpoint(self, path, map_location=None, weights_only=None):
         # deqsm checkpoints hold RNG states (numpy arrays), which weights_only=True refuses
-        return load_checked(path, map_location=map_location or "cpu")
+        ckpt = load_checked(path, map_location=map_location or "cpu")
+        for check in self.validators:
+            check(ckpt)
+        return ckpt
 
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)

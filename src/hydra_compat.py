@@ -6,6 +6,9 @@ exactly that way, so for overrides that name an existing config group a boolean 
 the option name ``"true"``/``"false"`` before Hydra builds the defaults list. Nothing else changes: a
 boolean for a plain key stays a boolean. Installed on ``import src`` (every entry point imports it), so
 ``hydra.compose(..., overrides=["deq=true"])`` works in tools that import the package first.
+
+It also registers the ``sweep_direction`` resolver: ``${sweep_direction:${optimized_metric_mode}}`` turns the
+checkpoint callback's ``min``/``max`` into the Optuna sweeper's ``minimize``/``maximize`` (conf/hparams_search/).
 """
 
 from __future__ import annotations
@@ -13,12 +16,24 @@ from __future__ import annotations
 import functools
 
 _INSTALLED = False
+_DIRECTIONS = {"min": "minimize", "max": "maximize"}
+
+
+def sweep_direction(mode: str) -> str:
+    """``optimized_metric_mode`` (min | max) as an Optuna study direction (minimize | maximize)."""
+    if mode not in _DIRECTIONS:
+        raise ValueError(f"optimized_metric_mode={mode!r} is invalid: use min or max")
+    return _DIRECTIONS[mode]
 
 
 def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("sweep_direction"):
+        OmegaConf.register_new_resolver("sweep_direction", sweep_direction)
     from hydra._internal import defaults_list
 
     original = defaults_list.Overrides.__init__

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from src.callbacks.ema import check_resume
 from src.callbacks.profiling import ProfilingCallback
 from src.checkpoints import AtomicCheckpointIO, check_checkpoint_file
 
@@ -135,9 +137,10 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         trainer_cfg = trainer_cfg.copy()
         with open_dict(trainer_cfg):
             trainer_cfg.num_sanity_val_steps = 0
-    trainer: L.Trainer = instantiate(
-        trainer_cfg, callbacks=callbacks, logger=loggers or False, plugins=[AtomicCheckpointIO()]
-    )
+    # an EMA checkpoint resumed without ema=true is refused as it is loaded (the one load of the file)
+    checkpoint_io = AtomicCheckpointIO(validators=[functools.partial(check_resume, callbacks=callbacks)])
+    trainer: L.Trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False,
+                                     plugins=[checkpoint_io])
     for lg in loggers:
         lg.log_hyperparams(OmegaConf.to_container(cfg, resolve=True))
 
