@@ -116,7 +116,8 @@ def test_ema_nice_keeps_integer_buffers_and_samples_from_the_average(tmp_path, o
     nice = [o for o in NICE_FAST if o != "trainer.fast_dev_run=true"]
     metrics, rec = run([f"data.root={shared_data}", "loss=ssm", "deq=true", "deq.norm=spectral", "ema=true",
                         f"callbacks.ema.decay={DECAY}", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
-                        "trainer.limit_val_batches=0", "trainer.limit_test_batches=1", "model.evaluation.test_sm_points=2",
+                        "trainer.limit_val_batches=0", "trainer.limit_test_batches=1",
+                        "model.metrics.exact_sm.test_points=2",
                         "trainer.enable_progress_bar=false"], tmp_path, base=nice)
     assert sorted(rec.steps) == [1, 2]
     ints = {k: v for k, v in rec.tested_buffers.items() if not v.is_floating_point()}
