@@ -1,0 +1,173 @@
+"""Sample grids of every generative model: a PNG grid writer, logger hand-off and a Lightning callback.
+
+Every generative LightningModule offers ``sample_pixels(n) -> Tensor | None``: ``n`` samples as float
+images [n, C, H, W] in [0, 1] on the CPU (C = 1 or 3), or ``None`` when the model does not generate.
+:class:`SampleGridCallback` turns them into ``<default_root_dir>/samples/step_XXXXXXX.png`` every
+``every_n_steps`` optimiser steps and ``<default_root_dir>/samples.png`` at the end of ``fit``, and hands
+each file to the loggers (:func:`log_image`: W&B's ``log_image``, TensorBoard's ``add_image``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+from PIL import Image
+
+
+def _to_uint8(images: torch.Tensor) -> np.ndarray:
+    """[B, C, H, W] floats in [0, 1] → uint8 floor(255·x + ½) (clamped, NaN → 0), as [B, H, W, C]."""
+    x = torch.nan_to_num(images.detach().to("cpu", torch.float32), nan=0.0).clamp(0.0, 1.0)
+    return x.mul(255.0).add(0.5).floor().to(torch.uint8).permute(0, 2, 3, 1).numpy()
+
+
+def make_grid_array(images: torch.Tensor, nrow: int | None = None, padding: int = 2,
+                    pad_value: float = 0.0) -> np.ndarray:
+    """The grid as a uint8 array [H_grid, W_grid, C]: ``nrow`` images per row (default ⌈√B⌉), ``padding``
+    pixels of ``pad_value`` around and between the images; empty cells of the last row are ``pad_value``.
+
+    H_grid = rows·(H + padding) + padding, W_grid = nrow·(W + padding) + padding, rows = ⌈B / nrow⌉.
+    """
+    if not isinstance(images, torch.Tensor) or images.dim() != 4 or images.shape[1] not in (1, 3):
+        shape = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
+        raise ValueError(f"expected images [B, C, H, W] with C = 1 or 3, got {shape}")
+    b, c, h, w = images.shape
+    if b == 0:
+        raise ValueError("no images to put in a grid")
+    if padding < 0:
+        raise ValueError(f"padding must be >= 0, got {padding}")
+    ncol = min(b, nrow if nrow is not None else math.ceil(math.sqrt(b)))
+    if ncol < 1:
+        raise ValueError(f"nrow must be >= 1, got {nrow}")
+    nrows = math.ceil(b / ncol)
+    fill = math.floor(min(max(pad_value, 0.0), 1.0) * 255.0 + 0.5)
+    grid = np.full((nrows * (h + padding) + padding, ncol * (w + padding) + padding, c), fill, np.uint8)
+    for k, img in enumerate(_to_uint8(images)):
+        r, q = divmod(k, ncol)
+        top, left = padding + r * (h + padding), padding + q * (w + padding)
+        grid[top : top + h, left : left + w] = img
+    return grid
+
+
+def save_image_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int | None = None, padding: int = 2,
+                    pad_value: float = 0.0) -> Path:
+    """Write ``images`` ([B, C, H, W] floats in [0, 1], C = 1 grey or 3 RGB) as one grid image at ``path``.
+
+    Layout as :func:`make_grid_array`; pixel values floor(255·x + ½) after clamping to [0, 1]. The format
+    follows the suffix (PNG when it has none Pillow knows). The file is written to a temporary name in the
+    same folder and renamed, so a reader never sees a half-written image. Returns the path.
+    """
+    grid = make_grid_array(images, nrow=nrow, padding=padding, pad_value=pad_value)
+    img = Image.fromarray(grid[:, :, 0] if grid.shape[2] == 1 else grid)  # uint8 2-D → "L", [H, W, 3] → "RGB"
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fmt = Image.registered_extensions().get(path.suffix.lower(), "PNG")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            img.save(fh, format=fmt)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def log_image(trainer: L.Trainer, key: str, path: str | os.PathLike, step: int | None = None) -> int:
+    """Send the image file at ``path`` to every logger of ``trainer`` that takes images.
+
+    Loggers with ``log_image`` (W&B's ``WandbLogger``) get ``log_image(key=key, images=[path], step=step)``;
+    loggers whose ``experiment`` has ``add_image`` (TensorBoard's ``SummaryWriter``) get the decoded image.
+    Others (CSV) are skipped. ``step`` defaults to ``trainer.global_step``. Returns how many loggers took it.
+    """
+    step = trainer.global_step if step is None else step
+    taken = 0
+    array = None
+    for lg in getattr(trainer, "loggers", None) or []:
+        if hasattr(lg, "log_image"):
+            lg.log_image(key=key, images=[str(path)], step=step)
+            taken += 1
+            continue
+        experiment = getattr(lg, "experiment", None)
+        if hasattr(experiment, "add_image"):
+            if array is None:
+                with Image.open(path) as im:
+                    array = np.asarray(im.convert("L") if im.mode in ("L", "1", "I", "F") else im.convert("RGB"))
+            experiment.add_image(key, array, global_step=step, dataformats="HW" if array.ndim == 2 else "HWC")
+            taken += 1
+    return taken
+
+
+class SampleGridCallback(L.Callback):
+    """Write (and log) a grid of ``pl_module.sample_pixels(n)`` during and at the end of ``fit``.
+
+    - every ``every_n_steps`` optimiser steps (``None`` or 0: never): ``<default_root_dir>/samples/
+      step_XXXXXXX.png`` (global step, 7 digits), logged under key ``samples``;
+    - at the end of ``fit`` when ``at_end``: ``<default_root_dir>/samples.png``.
+
+    Only global rank 0 samples and writes. The module is sampled in eval mode (its previous mode is
+    restored) with the global RNGs forked and, when ``seed`` is not None, seeded with ``seed``: every grid
+    uses the same noise, and training's random stream (hence a resumed run) is unaffected by sampling.
+    A module without ``sample_pixels`` or returning ``None`` gets no file.
+    """
+
+    def __init__(self, every_n_steps: int | None = None, n: int = 64, at_end: bool = True,
+                 nrow: int | None = None, seed: int | None = 0, log_key: str = "samples"):
+        if every_n_steps is not None and every_n_steps < 0:
+            raise ValueError(f"every_n_steps must be None or >= 0, got {every_n_steps}")
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n}")
+        self.every_n_steps = every_n_steps
+        self.n = n
+        self.at_end = at_end
+        self.nrow = nrow
+        self.seed = seed
+        self.log_key = log_key
+        self.written: list[Path] = []
+        self._last_step = -1
+
+    def _sample(self, pl_module: L.LightningModule) -> torch.Tensor | None:
+        sample = getattr(pl_module, "sample_pixels", None)
+        if sample is None:
+            return None
+        device = pl_module.device
+        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        was_training = pl_module.training
+        pl_module.eval()
+        try:
+            with torch.random.fork_rng(devices=devices):
+                if self.seed is not None:
+                    torch.manual_seed(self.seed)
+                images = sample(self.n)
+        finally:
+            pl_module.train(was_training)
+        return None if images is None else images.detach().cpu()
+
+    def write(self, trainer: L.Trainer, pl_module: L.LightningModule, path: Path) -> Path | None:
+        """Sample, write the grid to ``path`` and log it (rank 0 only); returns the path or None."""
+        if not trainer.is_global_zero:
+            return None
+        images = self._sample(pl_module)
+        if images is None:
+            return None
+        save_image_grid(images, path, nrow=self.nrow)
+        log_image(trainer, self.log_key, path)
+        self.written.append(path)
+        return path
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if not self.every_n_steps or step == 0 or step % self.every_n_steps or step == self._last_step:
+            return
+        self._last_step = step  # several batches share a step under gradient accumulation
+        self.write(trainer, pl_module, Path(trainer.default_root_dir) / "samples" / f"step_{step:07d}.png")
+
+    def on_fit_end(self, trainer, pl_module) -> None:
+        if self.at_end:
+            self.write(trainer, pl_module, Path(trainer.default_root_dir) / "samples.png")

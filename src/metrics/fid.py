@@ -1,0 +1,187 @@
+"""Fréchet distance between real and generated images (FID) for every generative model.
+
+    FID = ‖μ_r − μ_g‖² + tr(Σ_r + Σ_g − 2 (Σ_r Σ_g)^½)
+
+of the mean and covariance of a feature network's outputs on real and generated images. The statistics
+and the distance are torchmetrics' :class:`~torchmetrics.image.fid.FrechetInceptionDistance`; this module
+chooses the feature network:
+
+- ``kind="mnist"``: the 128-d penultimate features of the small MNIST classifier shipped in this package
+  (:mod:`src.metrics.mnist_classifier`, checksum-verified). Images [B, 1, 28, 28] in [0, 1].
+- ``kind="inception"`` (CIFAR-10, CelebA, …): Inception-v3 pool features (2048-d) from a TorchScript
+  file the user supplies (``metrics.fid.weights=PATH``), normally ``inception-2015-12-05.pt``, NVIDIA's
+  TorchScript export of the TensorFlow FID network (the one the StyleGAN2-ADA/StyleGAN3 metrics use,
+  published with StyleGAN2-ADA-PyTorch at :data:`INCEPTION_URL`). It takes uint8 [N, 3, H, W] images,
+  resizes them to 299×299 itself and, called with ``return_features=True``, returns [N, 2048]
+  features. :class:`TorchScriptFeatureExtractor` feeds it images in [0, 1] as uint8 ``floor(255·x + ½)`` and
+  repeats a single channel to three. Nothing is downloaded: without the file the error says where it
+  comes from.
+
+  torchmetrics' own Inception (``feature=2048``, ``feature_extractor_weights_path=``) is not offered: it
+  needs torch-fidelity, whose package ``__init__`` imports ``torchvision`` (torch-fidelity's datasets),
+  and torchvision breaks ``import lightning`` next to the CPU torch this project pins.
+
+How torchmetrics 1.9 treats a custom feature module (``feature=<nn.Module>``), which this module relies on:
+images go to the module unchanged (``normalize`` only matters for torchmetrics' Inception and for the dummy
+image used to guess the feature size when the module has no ``num_features``; both extractors here set
+``num_features``, so no dummy pass is made). Features are cast to float64 and accumulated as Σx and Σxxᵀ in
+float64; ``compute`` forms the unbiased covariances (Σxxᵀ − n μμᵀ)/(n − 1) and tr (Σ_r Σ_g)^½ as the sum of
+the square roots of the eigenvalues of Σ_r Σ_g, and returns the result in the features' dtype (float32
+here). The metric holds the extractor as a submodule (``metric.inception``): moving the metric moves it,
+and both extractors here stay in eval mode whatever ``train()`` is called with.
+
+For LightningModules and benchmarks: :func:`fid_between` (two image tensors → FID, in batches). Keep the
+extractor or metric out of a module's registered attributes (or in a plain dict/list) if it must not land
+in checkpoints: a registered metric's submodule weights are part of ``state_dict``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+from torchmetrics.image.fid import FrechetInceptionDistance
+
+from src.metrics.mnist_classifier import load_mnist_feature_extractor, sha256_file
+
+KINDS = ("mnist", "inception")
+INCEPTION_FILE = "inception-2015-12-05.pt"
+INCEPTION_URL = "https://nvlabs-fi-cdn.nvidia.com/stylegan2-ada-pytorch/pretrained/metrics/" + INCEPTION_FILE
+
+
+class InceptionWeightsError(FileNotFoundError):
+    """No usable TorchScript Inception file was given for ``kind="inception"``."""
+
+
+def _inception_help() -> str:
+    return (
+        f"FID with kind='inception' needs the TorchScript FID Inception-v3 file {INCEPTION_FILE} "
+        f"(NVIDIA's export of the TensorFlow FID network, published with StyleGAN2-ADA-PyTorch at "
+        f"{INCEPTION_URL}). Download it yourself and pass its path, e.g. "
+        f"metrics.fid.weights=/path/to/{INCEPTION_FILE}; nothing is downloaded automatically."
+    )
+
+
+def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
+    """Float images in [0, 1] → uint8 floor(255·x + ½) (clamped; NaN → 0): the quantisation
+    ``src.callbacks.samples.save_image_grid`` applies, so FID sees the pixels a saved PNG holds."""
+    x = torch.nan_to_num(images.float(), nan=0.0).clamp(0.0, 1.0)
+    return x.mul(255.0).add(0.5).floor().to(torch.uint8)
+
+
+class TorchScriptFeatureExtractor(nn.Module):
+    """A TorchScript feature network taking uint8 [N, 3, H, W], fed float images in [0, 1].
+
+    ``x`` [N, C, H, W] (C = 1 or 3) → uint8 ``floor(255·x + ½)``, a single channel repeated to three → the
+    scripted module (with ``return_features=True`` when its ``forward`` has that argument, as NVIDIA's
+    Inception export does) → float32 features [N, ``num_features``]. ``num_features`` is read from one
+    forward pass of a ``probe_size``×``probe_size`` grey image at load. The wrapper never leaves eval mode.
+    """
+
+    def __init__(self, scripted: torch.jit.ScriptModule, probe_size: int = 299):
+        super().__init__()
+        self.net = scripted
+        try:
+            arg_names = [a.name for a in scripted.forward.schema.arguments]
+        except (AttributeError, RuntimeError):
+            arg_names = []
+        self._kwargs = {"return_features": True} if "return_features" in arg_names else {}
+        self.requires_grad_(False)
+        super().train(False)
+        with torch.no_grad():
+            probe = self.net(torch.full((1, 3, probe_size, probe_size), 128, dtype=torch.uint8), **self._kwargs)
+        if probe.dim() != 2 or probe.shape[0] != 1:
+            raise ValueError(f"the TorchScript feature network returned {tuple(probe.shape)} for one image; "
+                             "expected [1, num_features]")
+        self.num_features = int(probe.shape[1])
+
+    def train(self, mode: bool = True) -> TorchScriptFeatureExtractor:
+        return super().train(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 4 or x.shape[1] not in (1, 3):
+            raise ValueError(f"expected images [N, 1 or 3, H, W] in [0, 1], got {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise TypeError(f"expected float images in [0, 1], got dtype {x.dtype}")
+        u8 = images_to_uint8(x)
+        if u8.shape[1] == 1:
+            u8 = u8.expand(-1, 3, -1, -1)
+        return self.net(u8.contiguous(), **self._kwargs).float()
+
+
+def load_inception_feature_extractor(
+    weights: str | os.PathLike | None, sha256: str | None = None, probe_size: int = 299
+) -> TorchScriptFeatureExtractor:
+    """Load a TorchScript FID Inception file (see the module docstring); a clear error when absent."""
+    if weights is None or str(weights) == "":
+        raise InceptionWeightsError(_inception_help())
+    path = Path(weights).expanduser()
+    if not path.is_file():
+        raise InceptionWeightsError(f"Inception weights file not found: {path}. " + _inception_help())
+    if sha256 is not None and sha256_file(path) != sha256.lower():
+        raise ValueError(f"checksum mismatch for Inception weights {path}: sha256 {sha256_file(path)}, "
+                         f"expected {sha256}")
+    try:
+        scripted = torch.jit.load(str(path), map_location="cpu")
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"{path} is not a TorchScript module ({str(exc).splitlines()[0]}). kind='inception' expects a "
+            f"TorchScript export such as {INCEPTION_FILE} from {INCEPTION_URL}; a state dict (e.g. "
+            "torch-fidelity's or pytorch-fid's .pth) would need the network's code, which this package does "
+            "not carry."
+        ) from exc
+    return TorchScriptFeatureExtractor(scripted.eval(), probe_size=probe_size)
+
+
+def build_feature_extractor(kind: str, weights: str | os.PathLike | None = None, sha256: str | None = None) -> nn.Module:
+    """The FID feature network: ``"mnist"`` (shipped classifier; ``weights`` overrides its file) or
+    ``"inception"`` (the TorchScript file ``weights``, required)."""
+    if kind == "mnist":
+        return load_mnist_feature_extractor(weights, sha256)
+    if kind == "inception":
+        return load_inception_feature_extractor(weights, sha256)
+    raise ValueError(f"unknown FID kind {kind!r}; expected one of {KINDS}")
+
+
+def build_fid(
+    kind: str,
+    weights: str | os.PathLike | None = None,
+    sha256: str | None = None,
+    reset_real_features: bool = True,
+    feature: nn.Module | None = None,
+) -> FrechetInceptionDistance:
+    """A torchmetrics FID metric on the ``kind`` feature network (or the given ``feature`` module).
+
+    Update it with float images in [0, 1] (``metric.update(images, real=True/False)``), then ``compute()``.
+    ``reset_real_features=False`` keeps the real statistics across ``reset()`` (compute them once).
+    """
+    extractor = feature if feature is not None else build_feature_extractor(kind, weights, sha256)
+    return FrechetInceptionDistance(feature=extractor, reset_real_features=reset_real_features, normalize=True)
+
+
+@torch.no_grad()
+def fid_between(
+    real: torch.Tensor,
+    fake: torch.Tensor,
+    extractor: nn.Module,
+    batch_size: int = 500,
+    device: str | torch.device | None = None,
+) -> float:
+    """FID between two image tensors (float [N, C, H, W] in [0, 1]), fed through ``extractor`` in batches.
+
+    ``device`` (default: where the extractor's parameters are, else CPU) runs the extractor; batches are
+    moved there one at a time, so ``real`` and ``fake`` may stay on the CPU. Both sets need ≥ 2 images;
+    for a stable estimate use at least a few times ``num_features`` images in each.
+    """
+    if len(real) < 2 or len(fake) < 2:
+        raise ValueError(f"FID needs at least 2 images in each set, got {len(real)} real and {len(fake)} fake")
+    if device is None:
+        param = next(iter(extractor.parameters()), None)
+        device = param.device if param is not None else torch.device("cpu")
+    metric = FrechetInceptionDistance(feature=extractor, normalize=True).to(device)
+    for images, is_real in ((real, True), (fake, False)):
+        for i in range(0, len(images), batch_size):
+            metric.update(images[i : i + batch_size].to(device), real=is_real)
+    return float(metric.compute())
