@@ -147,8 +147,8 @@ def test_two_optimiser_toy_alternates_clips_writes_grid_and_fid(tmp_path, shared
     clipping applied to each manual update, a sample grid, and FID (MNIST features) that falls as the
     generator learns the data's pixel means and spreads."""
     from omegaconf import OmegaConf
-    from src.callbacks.samples import SampleGridCallback
 
+    from src.callbacks.samples import SampleGridCallback
     from src.data.mnist_images import MNISTImageDataModule
     from src.train import follow_optimization_mode
 
