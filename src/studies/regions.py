@@ -212,3 +212,23 @@ def picard_iterations_to_fixed_point(x, m: int, z0: np.ndarray | None = None, ma
         hit = (z == z_star).all(axis=1) & (its < 0)
         its[hit] = k
     return its, z_star
+
+
+def load_theorem1(net) -> None:
+    """Set a :class:`src.models.supervised.DEQNet` (input 1, width m, one layer in f, ReLU, ``deq.norm=none``) to
+    the construction, with the all-ones read-out (y = Σ_t z_t*)."""
+    import torch
+
+    block = net.block
+    if block.in_dim != 1 or block.n_layers != 1 or block.activation != "relu" or block.config.norm != "none":
+        raise ValueError("model.construction=theorem1 needs data.dim=1, depth=1, model.activation=relu and "
+                         "deq.norm=none (the construction's W is not normalised: it converges because it is "
+                         "nilpotent)")
+    W, u, c = theorem1_weights(block.width)
+    with torch.no_grad():
+        dt = block.weights[0].dtype
+        block.weights[0].copy_(torch.tensor(W, dtype=dt))
+        block.injection.weight.copy_(torch.tensor(u, dtype=dt)[:, None])
+        block.injection.bias.copy_(torch.tensor(c, dtype=dt))
+        net.readout.weight.fill_(1.0)
+        net.readout.bias.zero_()
