@@ -71,7 +71,8 @@ def test_theorem1_construction_has_2_to_the_m_regions(m):
 
 @pytest.mark.parametrize("m", [2, 5, 12, 16])
 def test_theorem1_convergence(m):
-    x = np.linspace(0, 1, 2 ** (m + 1) + 1)  # dyadic: float64 arithmetic is exact here
+    odd = 2 * np.random.default_rng(m).integers(0, 2 ** m, 4096) + 1
+    x = np.concatenate([[0.0, 1.0], odd / 2 ** (m + 1)])  # dyadic: float64 arithmetic is exact here
     its0, z_star = rg.picard_iterations_to_fixed_point(x, m, max_iter=m + 1)
     assert its0.max() <= m and its0.min() >= 0  # from z⁰ = 0: at most m iterations
     assert its0.max() == m
