@@ -119,7 +119,7 @@ def make_gotu(dim: int = 10, coef: float = 2.0, support: int | None = None, froz
 
 
 # ------------------------------------------------------------------------------------ high frequencies
-def tones(t: np.ndarray, freqs=(2, 8, 24, 48), amps=None, phases=None) -> np.ndarray:
+def tones(t: np.ndarray, freqs=(1, 4, 12, 24), amps=None, phases=None) -> np.ndarray:
     """s(t) = Σ_k a_k sin(2π f_k t + φ_k) (integer f_k: periodic on [0, 1))."""
     freqs = np.asarray(freqs, dtype=np.float64)
     amps = np.ones_like(freqs) if amps is None else np.asarray(amps, dtype=np.float64)
@@ -128,7 +128,7 @@ def tones(t: np.ndarray, freqs=(2, 8, 24, 48), amps=None, phases=None) -> np.nda
     return (amps * np.sin(2 * np.pi * freqs * t + phases)).sum(axis=1)
 
 
-def make_signal(freqs=(2, 8, 24, 48), n_train: int = 1024, n_test: int = 4096, seed: int = 0, **_) -> dict:
+def make_signal(freqs=(1, 4, 12, 24), n_train: int = 1024, n_test: int = 4096, seed: int = 0, **_) -> dict:
     """A sum of tones on t ∈ [0, 1), input 2t − 1 ∈ [−1, 1); train on a uniform grid of n_train points, validate
     on the midpoints, test on a uniform grid of n_test points (so per-frequency errors are exact DFT bins)."""
     phases = _rng(seed, 0).uniform(0, 2 * np.pi, len(freqs))
