@@ -112,7 +112,8 @@ def _dual_newton(X, y, beta_of, jac_weight, lam0=None, tol=1e-13, max_iter=200, 
             if feasible is None or feasible(g):
                 with np.errstate(over="ignore", invalid="ignore"):
                     Fc = X @ beta_of(g) - y
-                if np.all(np.isfinite(Fc)) and np.linalg.norm(Fc) < np.linalg.norm(F):
+                    better = bool(np.all(np.isfinite(Fc)) and np.linalg.norm(Fc) < np.linalg.norm(F))
+                if better:
                     lam, F = cand, Fc
                     break
             t *= 0.5
