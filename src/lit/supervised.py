@@ -126,6 +126,12 @@ class SupervisedLitModule(L.LightningModule):
             self.log(k, v)
         self.test_results = res
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["gd_v"] = self.gd_v  # v(t) belongs to the weights it was accumulated with
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.gd_v = checkpoint.get("gd_v")
+
     def configure_optimizers(self):
         if not any(p.requires_grad for p in self.parameters()):
             return None
