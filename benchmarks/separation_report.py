@@ -397,7 +397,9 @@ def markdown(jobs, exact, made, meta) -> str:
           "(k = 10: dense, the default; k = 3: sparse). GOTU error = mean squared error over the cube (and over the "
           "unseen half). Diagonal models: full-batch GD (lr 0.02, 4000 steps); FFN (depth 4, width 64) and vanilla DEQ "
           "(width 64, ReLU, Frobenius-normalised): Adam lr 1e-3, 4000 full-batch steps. The rebuttal's heatmaps use a "
-           "depth-33 FFN: `depth=33` (32 hidden layers of 64) is run too."), "",
+           "depth-33 FFN: `depth=33` (32 hidden layers of 64) is run too. Features: an FFN's last hidden layer, a DEQ's z*, "
+           "β⊙x for the diagonal models (on ±1 inputs their heatmap is |β| in every column: dense whenever the target "
+           "is)."), "",
           "| model | GOTU error (cube) | unseen half | seen | β₁ (frozen coord.) | bias | feature participation | command |",
           "|---|---|---|---|---|---|---|---|"]
     for j in jobs:
