@@ -21,7 +21,7 @@ from torch import nn
 
 from src.deq.config import DEQConfig
 from src.deq.implicit import fixed_point
-from src.deq.maps import ConvMap, ResidualMap, dense_map
+from src.deq.maps import ConvMap, DenseMap, ResidualMap, dense_map
 from src.deq.normalization import conv_lipschitz_factor, frobenius_normalize, spectral_normalize
 from src.deq.solvers import SolverResult, solve
 
@@ -174,10 +174,13 @@ class DenseDEQBlock(DEQBlock):
     (Softplus(W_L … Softplus(W_1 z + g(x)) … + b_L); layer 1 gets the injection g, default
     ``nn.Linear(in_dim, width)``). Every W_i is Frobenius-normalized (§3.2), so f contracts at rate ≤ λ^(−L);
     with ``config.norm="spectral"`` each W_i is divided by λ times its spectral norm (power iteration, one step
-    per training call, buffers ``sn_u*``) instead. ``[B, in_dim] -> [B, width]``."""
+    per training call, buffers ``sn_u*``) instead; with ``config.norm="none"`` the W_i are used as they are
+    (hand-built maps whose convergence their structure guarantees, e.g. a nilpotent W). ``activation``:
+    ``softplus`` (default, the paper's) | ``relu`` | ``identity`` (:class:`src.deq.maps.DenseMap`).
+    ``[B, in_dim] -> [B, width]``."""
 
     def __init__(self, in_dim: int, width: int, n_layers: int = 1, injection: nn.Module | None = None,
-                 config: DEQConfig | None = None, name: str = "deq"):
+                 config: DEQConfig | None = None, name: str = "deq", activation: str = "softplus"):
         super().__init__(config, name)
         if int(n_layers) < 1:
             raise ValueError(f"n_layers must be >= 1 (layers inside the DEQ map f), got {n_layers}")
@@ -187,7 +190,8 @@ class DenseDEQBlock(DEQBlock):
             nn.Parameter(torch.randn(width, width) / math.sqrt(width)) for _ in range(self.n_layers)
         )
         self.biases = nn.ParameterList(nn.Parameter(torch.zeros(width)) for _ in range(self.n_layers - 1))
-        self.phi = dense_map
+        self.activation = activation
+        self.phi = dense_map if activation == "softplus" else DenseMap(activation)
         if self.config.norm == "spectral":
             for i, w in enumerate(self.weights):
                 u = torch.nn.functional.normalize(torch.randn(width), dim=0)
@@ -202,6 +206,8 @@ class DenseDEQBlock(DEQBlock):
         if self.config.norm == "spectral":
             ws = [spectral_normalize(w, getattr(self, f"sn_u{i}"), lam, update=self.training and torch.is_grad_enabled())
                   for i, w in enumerate(self.weights)]
+        elif self.config.norm == "none":
+            ws = list(self.weights)
         else:
             ws = [frobenius_normalize(w, lam) for w in self.weights]
         rest = []

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 SOLVERS = ("picard", "anderson", "broyden")
 BACKWARDS = ("phantom", "implicit")
 STOP_MODES = ("abs", "rel")
-NORMS = ("frobenius", "spectral")
+NORMS = ("frobenius", "spectral", "none")  # none: the weights as they are (hand-built maps)
 
 
 @dataclass

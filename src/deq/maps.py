@@ -22,6 +22,31 @@ def dense_map(z, inj, w1, *rest):
     return h
 
 
+_ACTIVATIONS = {"softplus": F.softplus, "relu": F.relu, "identity": lambda h: h}
+ACTIVATIONS = tuple(_ACTIVATIONS)
+
+
+class DenseMap:
+    """:func:`dense_map` with another activation σ: ``softplus`` (the paper's, eq. 5), ``relu`` or ``identity``.
+
+    ReLU and the identity are 1-Lipschitz too, so a normalized map still contracts at rate ≤ λ^(−L). With
+    ``deq.norm=none`` (hand-built weights, e.g. the nilpotent W of the ReLU DEQ in *Separation and Bias of Deep
+    Equilibrium Models*, Theorem 1) nothing bounds the rate: convergence is the weights' business.
+    """
+
+    def __init__(self, activation: str = "softplus"):
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"activation={activation!r} is unknown; valid: {', '.join(ACTIVATIONS)}")
+        self.activation = activation
+
+    def __call__(self, z, inj, w1, *rest):
+        act = _ACTIVATIONS[self.activation]
+        h = act(z @ w1.T + inj)
+        for i in range(0, len(rest), 2):
+            h = act(h @ rest[i].T + rest[i + 1])
+        return h
+
+
 class ConvMap:
     """Eq. 5 with W a convolution: φ(z) = σ(conv(z, K) + g(y)), σ = Softplus, same padding."""
 

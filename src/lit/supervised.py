@@ -1,0 +1,167 @@
+"""Supervised (regression) training of DEQs and explicit MLPs for the studies of *Separation and Bias of Deep
+Equilibrium Models on Expressivity and Learning Dynamics* (NeurIPS 2024).
+
+Training step = loss (``mse``, or ``half_sse`` = ½‖f(X) − y‖², Theorem 3's); validation logs ``val/mse`` and
+``val/linf``; the test epoch gathers every prediction and sets ``self.test_results`` (``test/mse``, ``test/linf``,
+``test/n_params``, ``test/weight_inf_norm``, ``test/deq_iterations``, ``test/flops_per_forward``) plus whatever
+the study's analysis (:mod:`src.studies.analysis`, ``analysis=<name>``) measures; the analysis writes its
+figure into the run directory (``trainer.default_root_dir``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+import lightning.pytorch as L
+import numpy as np
+import torch
+
+from src.models.supervised import DiagonalLinearDEQ, build_supervised_net, deq_blocks, forward_flops
+
+LOSSES = ("mse", "half_sse")
+
+
+def _plain(cfg):
+    try:
+        from omegaconf import DictConfig, ListConfig, OmegaConf
+
+        if isinstance(cfg, (DictConfig, ListConfig)):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    return cfg
+
+
+class SupervisedLitModule(L.LightningModule):
+    def __init__(self, input_dim: int, output_dim: int = 1, arch: str = "auto", deq: Mapping | None = None,
+                 depth: int | None = None, width: int = 16, hidden: int | None = None, match: str | None = None,
+                 activation: str = "relu", bias: bool = True, beta0: float = 1.0, alpha: float = 0.1,
+                 construction: str | None = None, loss: str = "mse", optimizer: Mapping | None = None,
+                 analysis: str | None = None, analysis_kwargs: Mapping | None = None):
+        super().__init__()
+        if loss not in LOSSES:
+            raise ValueError(f"model.loss={loss!r} is unknown; valid: {', '.join(LOSSES)}")
+        deq = _plain(deq)
+        self.save_hyperparameters()
+        self.net = build_supervised_net(int(input_dim), int(output_dim), arch=arch, deq=deq, depth=depth,
+                                        width=width, hidden=hidden, match=match, activation=activation, bias=bias,
+                                        beta0=beta0, alpha=alpha)
+        if construction == "theorem1":  # the hand-built DEQ of Theorem 1; an MLP (deq=false) ignores it
+            from src.models.supervised import DEQNet
+            from src.studies.regions import load_theorem1
+
+            if isinstance(self.net, DEQNet):
+                load_theorem1(self.net)
+                self.net.requires_grad_(False)  # checked, not trained: the construction is exact already
+        elif construction not in (None, "none"):
+            raise ValueError(f"model.construction={construction!r} is unknown; valid: theorem1, none")
+        self.loss_name = loss
+        self.optimizer_cfg = dict(_plain(optimizer) or {})
+        self.analysis = analysis
+        self.analysis_kwargs = dict(_plain(analysis_kwargs) or {})
+        self.test_results: dict[str, float] = {}
+        self.gd_v: torch.Tensor | None = None  # Σ lr·r_k along full-batch GD (Theorem 3's v(t))
+        self._test: list = []
+        self._iters: list[float] = []
+
+    def forward(self, x):
+        return self.net(x)
+
+    def _loss(self, pred, y):
+        if self.loss_name == "half_sse":
+            return 0.5 * (pred - y).pow(2).sum()
+        return (pred - y).pow(2).mean()
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        pred = self.net(x)
+        loss = self._loss(pred, y)
+        if not any(p.requires_grad for p in self.parameters()):  # a frozen construction: evaluate only
+            self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=x.shape[0])
+            return None
+        if not torch.isfinite(loss):
+            raise FloatingPointError(f"non-finite training loss at step {self.global_step}: lower model.optimizer.lr")
+        if isinstance(self.net, DiagonalLinearDEQ) and self.optimizer_cfg.get("name") == "sgd":
+            r = (pred - y).detach().reshape(-1).double()
+            lr = float(self.optimizer_cfg.get("lr", 1e-3))
+            self.gd_v = r * lr if self.gd_v is None or self.gd_v.shape != r.shape else self.gd_v + lr * r
+        self.log("train/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=x.shape[0])
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.no_grad():
+            err = self.net(x) - y
+        self.log("val/mse", err.pow(2).mean(), on_epoch=True, prog_bar=True, batch_size=x.shape[0])
+        self.log("val/linf", err.abs().max(), on_epoch=True, reduce_fx="max", batch_size=x.shape[0])
+
+    def on_test_epoch_start(self):
+        self._test, self._iters, self.test_results = [], [], {}
+
+    def test_step(self, batch, batch_idx):
+        x, y = batch
+        with torch.no_grad():
+            pred = self.net(x)
+        for b in deq_blocks(self.net):
+            self._iters.append(float(b.last_stats.get("iterations", 0)))
+        self._test.append((x.cpu(), y.cpu(), pred.cpu()))
+
+    def on_test_epoch_end(self):
+        x, y, pred = (torch.cat(t).double().numpy() for t in zip(*self._test))
+        err = pred - y
+        iters = float(np.mean(self._iters)) if self._iters else 0.0
+        res = {"test/mse": float(np.mean(err ** 2)), "test/linf": float(np.abs(err).max()),
+               "test/n_params": float(sum(p.numel() for p in self.net.parameters())),
+               "test/weight_inf_norm": effective_weight_inf_norm(self.net),
+               "test/deq_iterations": iters, "test/flops_per_forward": forward_flops(self.net, iters)}
+        if self.analysis:
+            from src.studies.analysis import ANALYSES
+
+            trainer = getattr(self, "_trainer", None)
+            out_dir = Path(getattr(trainer, "default_root_dir", None) or ".")
+            dm = getattr(trainer, "datamodule", None) if trainer is not None else None
+            res.update(ANALYSES[self.analysis](self, dm, out_dir, x=x, y=y, pred=pred, **self.analysis_kwargs))
+        for k, v in res.items():
+            self.log(k, v)
+        self.test_results = res
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["gd_v"] = self.gd_v  # v(t) belongs to the weights it was accumulated with
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.gd_v = checkpoint.get("gd_v")
+
+    def configure_optimizers(self):
+        if not any(p.requires_grad for p in self.parameters()):
+            return None
+        cfg = self.optimizer_cfg
+        name, lr, wd = cfg.get("name", "adam"), float(cfg.get("lr", 1e-3)), float(cfg.get("weight_decay", 0.0))
+        if name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=lr, momentum=float(cfg.get("momentum", 0.0)), weight_decay=wd)
+        elif name == "adam":
+            opt = torch.optim.Adam(self.parameters(), lr=lr, weight_decay=wd)
+        else:
+            raise ValueError(f"model.optimizer.name={name!r} is unknown; valid: adam, sgd")
+        if cfg.get("scheduler") == "cosine":
+            steps = max(1, int(self.trainer.estimated_stepping_batches))
+            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=lr * 1e-2)
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return opt
+
+
+def effective_weight_inf_norm(net: torch.nn.Module) -> float:
+    """max |θ| over the weights the forward uses (a DEQ's W after its normalisation), biases included."""
+    from src.models.supervised import DEQNet
+
+    vals = []
+    if isinstance(net, DEQNet):
+        b = net.block
+        with torch.no_grad():
+            params = b.map_params(torch.zeros(1, b.in_dim, dtype=b.weights[0].dtype))
+        vals += [p.abs().max().item() for p in params[1:]]
+        vals += [p.abs().max().item() for p in b.injection.parameters()]
+        vals += [p.abs().max().item() for p in net.readout.parameters()]
+    else:
+        vals += [p.detach().abs().max().item() for p in net.parameters()]
+    return float(max(vals)) if vals else 0.0
