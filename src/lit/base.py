@@ -86,10 +86,14 @@ def is_single_optimizer(cfg: Mapping) -> bool:
     return not cfg or not all(isinstance(v, Mapping) for v in cfg.values()) or bool(set(cfg) & _OPTIMIZER_KEYS)
 
 
+SCHEDULERS = ("cosine",)
+
+
 def make_optimizer(params, spec: Mapping) -> torch.optim.Optimizer:
     """``torch.optim.<name>(params, **rest)`` from a config mapping (default Adam, lr 1e-3)."""
     spec = dict(spec)
     spec.pop("params", None)
+    spec.pop("scheduler", None)
     name = str(spec.pop("name", "adam"))
     classes = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
                if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)}
@@ -167,6 +171,10 @@ class DeqsmModule(L.LightningModule):
         return params
 
     def configure_optimizers(self):
+        """The configured optimisers; ``scheduler: cosine`` in a spec anneals its learning rate to 1 % over
+        the run (per step). None when the module has no trainable parameter (an evaluation-only model)."""
+        if not any(p.requires_grad for p in self.parameters()):
+            return None
         specs = self.optimizer_specs()
         optimizers, owner = [], {}
         for name, spec in specs.items():
@@ -183,6 +191,20 @@ class DeqsmModule(L.LightningModule):
         if missing:
             raise ValueError(f"parameters in no optimiser: {', '.join(missing[:5])}"
                              f"{' …' if len(missing) > 5 else ''}; add their module to a model.optimizer.*.params")
+        schedulers = []
+        for (name, spec), opt in zip(specs.items(), optimizers):
+            kind = spec.get("scheduler")
+            if kind is None:
+                continue
+            if kind not in SCHEDULERS:
+                raise ValueError(f"model.optimizer scheduler={kind!r} is unknown; valid: {', '.join(SCHEDULERS)}")
+            steps = max(1, int(self.trainer.estimated_stepping_batches))
+            lr = opt.param_groups[0]["lr"]
+            schedulers.append({"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps,
+                                                                                       eta_min=lr * 1e-2),
+                               "interval": "step"})
+        if schedulers:
+            return optimizers, schedulers
         return optimizers[0] if len(optimizers) == 1 else optimizers
 
     def named_optimizer(self, name: str):

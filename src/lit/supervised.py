@@ -13,36 +13,29 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 
-import lightning.pytorch as L
 import numpy as np
 import torch
 
+from src.lit.base import DeqsmModule, as_plain
 from src.models.supervised import DiagonalLinearDEQ, build_supervised_net, deq_blocks, forward_flops
 
 LOSSES = ("mse", "half_sse")
 
 
-def _plain(cfg):
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
+class SupervisedLitModule(DeqsmModule):
+    """Regression family on the shared base: optimisers (and the cosine schedule) from ``model.optimizer``
+    as every family; its own validation/test hooks, because its metrics need every prediction at once
+    (L∞ error, region counts, the study analyses)."""
 
-        if isinstance(cfg, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return cfg
-
-
-class SupervisedLitModule(L.LightningModule):
     def __init__(self, input_dim: int, output_dim: int = 1, arch: str = "auto", deq: Mapping | None = None,
                  depth: int | None = None, width: int = 16, hidden: int | None = None, match: str | None = None,
                  activation: str = "relu", bias: bool = True, beta0: float = 1.0, alpha: float = 0.1,
                  construction: str | None = None, loss: str = "mse", optimizer: Mapping | None = None,
                  analysis: str | None = None, analysis_kwargs: Mapping | None = None):
-        super().__init__()
+        super().__init__(optimizer=as_plain(optimizer))
         if loss not in LOSSES:
             raise ValueError(f"model.loss={loss!r} is unknown; valid: {', '.join(LOSSES)}")
-        deq = _plain(deq)
+        deq = as_plain(deq)
         self.save_hyperparameters()
         self.net = build_supervised_net(int(input_dim), int(output_dim), arch=arch, deq=deq, depth=depth,
                                         width=width, hidden=hidden, match=match, activation=activation, bias=bias,
@@ -57,10 +50,8 @@ class SupervisedLitModule(L.LightningModule):
         elif construction not in (None, "none"):
             raise ValueError(f"model.construction={construction!r} is unknown; valid: theorem1, none")
         self.loss_name = loss
-        self.optimizer_cfg = dict(_plain(optimizer) or {})
         self.analysis = analysis
-        self.analysis_kwargs = dict(_plain(analysis_kwargs) or {})
-        self.test_results: dict[str, float] = {}
+        self.analysis_kwargs = dict(as_plain(analysis_kwargs) or {})
         self.gd_v: torch.Tensor | None = None  # Σ lr·r_k along full-batch GD (Theorem 3's v(t))
         self._test: list = []
         self._iters: list[float] = []
@@ -80,14 +71,19 @@ class SupervisedLitModule(L.LightningModule):
         if not any(p.requires_grad for p in self.parameters()):  # a frozen construction: evaluate only
             self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=x.shape[0])
             return None
-        if not torch.isfinite(loss):
-            raise FloatingPointError(f"non-finite training loss at step {self.global_step}: lower model.optimizer.lr")
+        self.check_finite(loss)
         if isinstance(self.net, DiagonalLinearDEQ) and self.optimizer_cfg.get("name") == "sgd":
             r = (pred - y).detach().reshape(-1).double()
             lr = float(self.optimizer_cfg.get("lr", 1e-3))
             self.gd_v = r * lr if self.gd_v is None or self.gd_v.shape != r.shape else self.gd_v + lr * r
         self.log("train/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=x.shape[0])
         return loss
+
+    def on_validation_epoch_start(self):  # its own metrics, logged per batch (none from model.metrics)
+        pass
+
+    def on_validation_epoch_end(self):
+        pass
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
@@ -127,27 +123,12 @@ class SupervisedLitModule(L.LightningModule):
         self.test_results = res
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        super().on_save_checkpoint(checkpoint)
         checkpoint["gd_v"] = self.gd_v  # v(t) belongs to the weights it was accumulated with
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        super().on_load_checkpoint(checkpoint)
         self.gd_v = checkpoint.get("gd_v")
-
-    def configure_optimizers(self):
-        if not any(p.requires_grad for p in self.parameters()):
-            return None
-        cfg = self.optimizer_cfg
-        name, lr, wd = cfg.get("name", "adam"), float(cfg.get("lr", 1e-3)), float(cfg.get("weight_decay", 0.0))
-        if name == "sgd":
-            opt = torch.optim.SGD(self.parameters(), lr=lr, momentum=float(cfg.get("momentum", 0.0)), weight_decay=wd)
-        elif name == "adam":
-            opt = torch.optim.Adam(self.parameters(), lr=lr, weight_decay=wd)
-        else:
-            raise ValueError(f"model.optimizer.name={name!r} is unknown; valid: adam, sgd")
-        if cfg.get("scheduler") == "cosine":
-            steps = max(1, int(self.trainer.estimated_stepping_batches))
-            sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps, eta_min=lr * 1e-2)
-            return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
-        return opt
 
 
 def effective_weight_inf_norm(net: torch.nn.Module) -> float:
