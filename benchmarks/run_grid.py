@@ -76,16 +76,30 @@ UCI = ("parkinsons", "redwine", "whitewine")
 
 def nice_grid(args) -> list[dict]:
     base = ["experiment=nice_mnist", "loss=ssm", f"data.root={args.root}"]
-    return [
+    lin, soft = "deq.injection=linear", "deq.injection=softplus"
+    jobs = [
         {"group": "mnist", "method": "SSM", "overrides": [*base, "deq=false"]},
-        {"group": "mnist", "method": "DEQ-SSM", "overrides": [*base, "deq=true"]},
-        # the explicit net a Frobenius-normalized wide DEQ nearly reduces to: injection + read-out
+        {"group": "mnist", "method": "DEQ-SSM", "overrides": [*base, "deq=true", lin]},
+        # the baselines of Table 4 with the reference coupling MLP (5 layers)
+        {"group": "mnist", "method": "MLE", "overrides": [*base, "loss=mle", "deq=false"]},
+        {"group": "mnist", "method": "CP", "overrides": [*base, "loss=cp", "deq=false"]},
+        {"group": "mnist", "method": "DSM σ=0.1", "overrides": [*base, "loss=dsm", "loss.sigma=0.1", "deq=false"]},
+        {"group": "mnist", "method": "DSM σ=1.74", "overrides": [*base, "loss=dsm", "loss.sigma=1.74", "deq=false"]},
+        # the explicit net a DEQ coupling with Ŵ = 0 is (linear injection): injection + read-out
         {"group": "mnist", "method": "SSM (2 layers)", "overrides": [*base, "deq=false", "depth=2"]},
+        # g = Softplus(Ux + b) inside f = Softplus(Ŵz + g): the input squashed twice (what was built before)
+        {"group": "mnist", "method": "DEQ-SSM (softplus injection)", "overrides": [*base, "deq=true", soft]},
         # two dense layers inside each coupling's DEQ map, as the paper authors' code (~11M parameters)
-        {"group": "mnist", "method": "DEQ-SSM (2 layers in f)", "overrides": [*base, "deq=true", "depth=2"]},
+        {"group": "mnist", "method": "DEQ-SSM (2 layers in f)", "overrides": [*base, "deq=true", "depth=2", lin]},
         # W / (λ‖W‖₂) instead of W / (λ‖W‖_F): a 1000-wide map that contracts at ≈ 1/λ, not ≈ 0.03
-        {"group": "mnist", "method": "DEQ-SSM (spectral norm)", "overrides": [*base, "deq=true", "deq.norm=spectral"]},
+        {"group": "mnist", "method": "DEQ-SSM (spectral norm)",
+         "overrides": [*base, "deq=true", "deq.norm=spectral", lin]},
     ]
+    if args.squash != "affine":  # the same grid on the reference code's data convention (method names marked)
+        for j in jobs:
+            j["method"] += f" [squash={args.squash}]"
+            j["overrides"].append(f"data.squash={args.squash}")
+    return jobs
 
 
 def dkef_grid(args) -> list[dict]:
@@ -95,7 +109,7 @@ def dkef_grid(args) -> list[dict]:
             base = ["experiment=dkef_uci", f"data={data}", f"data.root={args.root}"]
             methods = [(name, [f"loss={loss}", "deq=false", "depth=3"])
                        for name, loss in (("DSM", "dsm"), ("CP", "cp"), ("SSM", "ssm"), ("SSM-VR", "ssm_vr"))]
-            methods.append(("DEQ-SSM-VR", ["loss=ssm_vr", "deq=true"]))
+            methods.append(("DEQ-SSM-VR", ["loss=ssm_vr", "deq=true", "deq.injection=linear"]))
         elif data.startswith("gaussian") and data[len("gaussian"):].isdigit():
             base = ["experiment=dkef_gaussian", f"data.dim={int(data[len('gaussian'):])}"]
             methods = []
@@ -104,10 +118,16 @@ def dkef_grid(args) -> list[dict]:
         if args.epochs is not None:
             base.append(f"trainer.max_epochs={args.epochs}")
         methods += [(f"SM {d}-layer", ["loss=sm", "deq=false", f"depth={d}"]) for d in (3, 8, 16)]
-        methods.append(("DEQ-SM", ["loss=sm", "deq=true"]))
-        if args.variants:  # beyond the paper: a DEQ as narrow as the explicit nets, and one phantom step
-            methods += [("DEQ-SM (width 30)", ["loss=sm", "deq=true", "model.deq_width=30"]),
-                        ("DEQ-SM (width 30 K=1)", ["loss=sm", "deq=true", "model.deq_width=30", "deq.phantom_steps=1"])]
+        methods.append(("DEQ-SM", ["loss=sm", "deq=true", "deq.injection=linear"]))
+        if args.variants:  # beyond the paper: a DEQ as narrow as the explicit nets, one phantom step, g squashed
+            lin = "deq.injection=linear"
+            methods += [("DEQ-SM (width 30)", ["loss=sm", "deq=true", "model.deq_width=30", lin]),
+                        ("DEQ-SM (width 30 K=1)",
+                         ["loss=sm", "deq=true", "model.deq_width=30", "deq.phantom_steps=1", lin]),
+                        ("DEQ-SM (softplus injection)", ["loss=sm", "deq=true", "deq.injection=softplus"])]
+            if data in UCI:
+                methods.append(("DEQ-SSM-VR (softplus injection)",
+                                ["loss=ssm_vr", "deq=true", "deq.injection=softplus"]))
         jobs += [{"group": data, "method": name, "overrides": [*base, *ov]} for name, ov in methods]
     return jobs
 
@@ -254,7 +274,7 @@ def plot(results, out: Path, stem: str) -> list[Path]:
 
 
 def run_dir_of(runs: Path, job: dict, seed: int) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{job['group']}_{job['method']}")
+    safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in f"{job['group']}_{job['method']}")
     return runs / f"{safe}_seed{seed}"
 
 
@@ -314,6 +334,8 @@ def main(argv=None):
                    help="with --collect: a command that ran part of the grid, quoted in the table (repeatable)")
     p.add_argument("--variants", action="store_true",
                    help="dkef grid: add DEQ-SM with the explicit nets' width 30, with K = 2 and K = 1 phantom steps")
+    p.add_argument("--squash", default="affine", choices=["affine", "clamp"],
+                   help="nice grid: data.squash of every job (clamp: the reference code's; method names marked)")
     p.add_argument("--extra", default="", help="extra overrides for every job, space separated")
     args = p.parse_args(argv)
     grid_fn, columns = GRIDS[args.grid]
