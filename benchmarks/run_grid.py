@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 from src.report import summarise
 
 NICE_COLUMNS = [
-    ("test/sm_loss", "test SM loss", 1), ("test/log_likelihood", "test LL (logit space)", 1),
+    ("test/sm_loss", "test SM loss", 1), ("clamp/test/sm_loss", "test SM loss, clamp test data", 1),
+    ("test/log_likelihood", "test LL (logit space)", 1), ("clamp/test/log_likelihood", "test LL, clamp test data", 1),
     ("test/bits_per_dim", "bits/dim (pixels)", 3), ("n_params", "params", 0),
     ("profile/saved_bytes_mean", "saved MB/step", 1), ("profile/peak_cuda_bytes_max", "peak CUDA MB", 0),
     ("profile/time_per_step_s", "s/step", 4), ("profile/deq_iterations_mean", "DEQ iters", 1),
@@ -149,6 +150,39 @@ def finished_rows(results, group, method) -> list[dict]:
     return [r for r in results if r["ok"] and r["group"] == group and r["method"] == method]
 
 
+OLD_SUFFIX = " — old"
+
+
+def base_method(method: str) -> str:
+    return method.split(OLD_SUFFIX)[0]
+
+
+def load_old(paths: list[Path], label: str, methods: set[str]) -> list[dict]:
+    """Rows of committed result files (``--old``), renamed ``"<method> — old (<label>)"``: the numbers as they
+    were committed, beside this grid's. Only methods this grid also has; ``data.root`` of this machine in
+    their commands is written as the relative ``../shared/data`` every grid command uses."""
+    rows = []
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["jobs"]:
+            if r["method"] not in methods:
+                continue
+            r = dict(r, method=f"{r['method']}{OLD_SUFFIX} ({label})", old_source=str(path))
+            r["command"] = " ".join("data.root=../shared/data" if t.startswith("data.root=/") else t
+                                    for t in r["command"].split())
+            rows.append(r)
+    return rows
+
+
+def ordered_methods(rows) -> list[str]:
+    """This grid's methods in grid order, each followed by its committed (old) row."""
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    new = [m for m in names if OLD_SUFFIX not in m]
+    out = []
+    for m in new:
+        out += [m] + [o for o in names if OLD_SUFFIX in o and base_method(o) == m]
+    return out + [o for o in names if o not in out]
+
+
 def mean_of(results, group, method, key):
     m, _, n = summarise([r["metrics"].get(key) for r in finished_rows(results, group, method)])
     return m if n else None
@@ -193,6 +227,34 @@ def target_lines(results) -> list[str]:
     return lines
 
 
+def nice_target_lines(results) -> list[str]:
+    """Issue 14's acceptance for Table 4: DEQ-SSM's mean test LL ≥ SSM's, its test SM loss ≤ SSM's (both data
+    conventions), saved bytes DEQ / SSM ≤ 0.8."""
+    lines = []
+
+    def verdict(ok):
+        return "met" if ok else "MISSED"
+
+    for g in dict.fromkeys(r["group"] for r in results):
+        deq = {k: summarise([r["metrics"].get(k) for r in finished_rows(results, g, "DEQ-SSM")]) for k in
+               ("test/log_likelihood", "test/sm_loss", "clamp/test/sm_loss", "profile/saved_bytes_mean")}
+        ssm = {k: summarise([r["metrics"].get(k) for r in finished_rows(results, g, "SSM")]) for k in deq}
+        if not deq["test/log_likelihood"][2] or not ssm["test/log_likelihood"][2]:
+            continue
+        n = f"{deq['test/log_likelihood'][2]} vs {ssm['test/log_likelihood'][2]} seeds"
+        for key, what, better in (("test/log_likelihood", "test LL", lambda a, b: a >= b),
+                                  ("test/sm_loss", "test SM loss (affine test data)", lambda a, b: a <= b),
+                                  ("clamp/test/sm_loss", "test SM loss (clamp test data)", lambda a, b: a <= b)):
+            (dm, ds, dn), (sm, ss, sn) = deq[key], ssm[key]
+            if dn and sn:
+                lines.append(f"- {g}: DEQ-SSM {what} {dm:.1f} ± {ds:.1f} vs SSM {sm:.1f} ± {ss:.1f} ({n}) — "
+                             f"{verdict(better(dm, sm))}")
+        if deq["profile/saved_bytes_mean"][2] and ssm["profile/saved_bytes_mean"][2]:
+            r = deq["profile/saved_bytes_mean"][0] / ssm["profile/saved_bytes_mean"][0]
+            lines.append(f"- {g}: saved bytes DEQ-SSM / SSM = {r:.2f} (target ≤ 0.8: {verdict(r <= 0.8)})")
+    return lines
+
+
 def to_markdown(results, columns, meta) -> str:
     lines = [f"Command: `{meta['command']}`", "",
              f"Machine: {meta['machine']}; device {meta['device']}; python {meta['python']}; torch {meta.get('torch')}; "
@@ -208,9 +270,9 @@ def to_markdown(results, columns, meta) -> str:
         head = ["method", "seeds", *(t for _, t, _ in has), "paper SM / LL" + (" / Fisher" if "gaussian" in g else "")
                 + " / GB"]
         lines += [f"### {g}", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-        for method in dict.fromkeys(r["method"] for r in rows):
+        for method in ordered_methods(rows):
             ok = finished_rows(rows, g, method)
-            paper = PAPER.get((g, method))
+            paper = PAPER.get((g, base_method(method)))
             ptxt = " / ".join(f"{v:g}" for v in paper if v is not None) if paper else "—"
             cells = [method, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has] + [ptxt]
             lines.append("| " + " | ".join(cells) + " |")
@@ -221,6 +283,9 @@ def to_markdown(results, columns, meta) -> str:
     targets = target_lines(results)
     if targets:
         lines += ["### Targets (DEQ-SM DKEF)", "", *targets, ""]
+    targets = nice_target_lines(results)
+    if targets:
+        lines += ["### Targets (DEQ-SSM NICE, issue 14)", "", *targets, ""]
     failed = [r for r in results if not r["ok"]]
     if failed:
         lines += ["### Failed jobs", ""] + [f"- {r['group']} {r['method']} seed {r['seed']}: {r.get('error', '')[:300]}"
@@ -308,7 +373,41 @@ def run_job(job, seed, args, runs: Path, env) -> dict:
     metrics = json.loads(done.read_text()) if record["ok"] else {}
     metrics.pop("config", None)
     record["metrics"] = metrics
+    attach_clamp(record, run_dir)
     return record
+
+
+def attach_clamp(record: dict, run_dir: Path) -> None:
+    """Add a run's clamp re-evaluation (``--eval-clamp``) to its record as ``clamp/<key>`` metrics."""
+    clamp = run_dir / CLAMP_EVAL
+    if record["ok"] and clamp.exists():
+        payload = json.loads(clamp.read_text())
+        record["clamp_eval_command"] = payload.pop("command", None)
+        record["metrics"].update({f"clamp/{k}": v for k, v in payload.items() if isinstance(v, (int, float))})
+
+
+CLAMP_EVAL = "eval_squash_clamp.json"
+
+
+def eval_clamp(run_dir: Path, root: str, env) -> str | None:
+    """Test metrics of a finished run's tested checkpoint on the reference code's data convention
+    (``data.squash=clamp``) without retraining: ``python -m src.evaluate``, kept as ``eval_squash_clamp.json``."""
+    if (run_dir / CLAMP_EVAL).exists() or not (run_dir / "metrics.json").exists():
+        return None
+    ckpt = json.loads((run_dir / "metrics.json").read_text()).get("tested_checkpoint") or str(
+        run_dir / "checkpoints" / "last.ckpt")
+    try:
+        ckpt = str(Path(ckpt).resolve().relative_to(ROOT))
+    except ValueError:
+        pass
+    cmd = [sys.executable, "-m", "src.evaluate", f"ckpt_path={ckpt}", "data.squash=clamp", f"data.root={root}"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return proc.stderr[-1500:]
+    payload = json.loads((run_dir / "eval_metrics.json").read_text())
+    payload["command"] = "python -m src.evaluate " + " ".join(cmd[3:])
+    (run_dir / CLAMP_EVAL).write_text(json.dumps(payload, indent=2))
+    return None
 
 
 def main(argv=None):
@@ -337,6 +436,13 @@ def main(argv=None):
     p.add_argument("--squash", default="affine", choices=["affine", "clamp"],
                    help="nice grid: data.squash of every job (clamp: the reference code's; method names marked)")
     p.add_argument("--extra", default="", help="extra overrides for every job, space separated")
+    p.add_argument("--eval-clamp", action="store_true",
+                   help="nice grid: also evaluate each finished run's tested checkpoint on data.squash=clamp test data "
+                        "(python -m src.evaluate; no retraining)")
+    p.add_argument("--old", type=Path, action="append", default=[],
+                   help="a committed result JSON whose rows of this grid's methods are tabulated beside the new "
+                        "ones as '<method> — old (<--old-label>)' (repeatable)")
+    p.add_argument("--old-label", default="committed")
     args = p.parse_args(argv)
     grid_fn, columns = GRIDS[args.grid]
     jobs = grid_fn(args)
@@ -372,13 +478,22 @@ def main(argv=None):
     lock = threading.Lock()
 
     def write():
-        done = [r for r in results if r is not None]
+        done = [r for r in results if r is not None] + old_rows
         (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "jobs": done}, indent=2))
         (args.out / f"{stem}.md").write_text(to_markdown(done, columns, meta))
+
+    old_rows = load_old(args.old, args.old_label, {j["method"] for j in jobs})
+    if args.old:
+        meta["old"] = {"files": [str(p) for p in args.old], "label": args.old_label}
 
     def work(i):
         job, seed = tasks[i]
         rec = run_job(job, seed, args, runs, env)
+        if args.eval_clamp and rec["ok"]:
+            err = eval_clamp(run_dir_of(runs, job, seed), args.root, env)
+            if err:
+                print(f"{job['group']} {job['method']} seed={seed}: clamp evaluation FAILED\n{err}", flush=True)
+            attach_clamp(rec, run_dir_of(runs, job, seed))
         with lock:
             results[i] = rec
             state = "reused" if rec.get("reused") else ("ok" if rec["ok"] else "FAILED")
@@ -390,7 +505,7 @@ def main(argv=None):
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         list(pool.map(work, range(len(tasks))))
-    done = [r for r in results if r is not None]
+    done = [r for r in results if r is not None] + old_rows
     figures = plot(done, args.out, stem)
     write()
     print((args.out / f"{stem}.md").read_text())
