@@ -95,6 +95,10 @@ def nice_grid(args) -> list[dict]:
         # W / (λ‖W‖₂) instead of W / (λ‖W‖_F): a 1000-wide map that contracts at ≈ 1/λ, not ≈ 0.03
         {"group": "mnist", "method": "DEQ-SSM (spectral norm)",
          "overrides": [*base, "deq=true", "deq.norm=spectral", lin]},
+        # the clipping evidence: experiment=nice_mnist does not clip (the reference nice_runner); the old default did
+        {"group": "mnist", "method": "SSM (clip 100)", "overrides": [*base, "deq=false", "trainer.gradient_clip_val=100"]},
+        {"group": "mnist", "method": "DEQ-SSM (clip 100)",
+         "overrides": [*base, "deq=true", lin, "trainer.gradient_clip_val=100"]},
     ]
     if args.squash != "affine":  # the same grid on the reference code's data convention (method names marked)
         for j in jobs:
@@ -129,6 +133,10 @@ def dkef_grid(args) -> list[dict]:
             if data in UCI:
                 methods.append(("DEQ-SSM-VR (softplus injection)",
                                 ["loss=ssm_vr", "deq=true", "deq.injection=softplus"]))
+                # the clipping evidence: experiment=dkef_uci clips at 100 (the DKEF reference code)
+                methods += [("DEQ-SM (no clip)", ["loss=sm", "deq=true", lin, "trainer.gradient_clip_val=null"]),
+                            ("DEQ-SSM-VR (no clip)",
+                             ["loss=ssm_vr", "deq=true", lin, "trainer.gradient_clip_val=null"])]
         jobs += [{"group": data, "method": name, "overrides": [*base, *ov]} for name, ov in methods]
     return jobs
 
