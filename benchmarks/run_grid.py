@@ -165,16 +165,21 @@ def base_method(method: str) -> str:
     return method.split(OLD_SUFFIX)[0]
 
 
-def load_old(paths: list[Path], label: str, methods: set[str]) -> list[dict]:
-    """Rows of committed result files (``--old``), renamed ``"<method> — old (<label>)"``: the numbers as they
-    were committed, beside this grid's. Only methods this grid also has; ``data.root`` of this machine in
-    their commands is written as the relative ``../shared/data`` every grid command uses."""
+def load_old(paths: list[Path], label: str, methods: set[tuple[str, str]], keep_rest: bool = False) -> list[dict]:
+    """Rows of committed result files (``--old``): those of a (data set, method) this grid has run are renamed
+    ``"<method> — old (<label>)"`` (the numbers as they were committed, beside the new ones); with
+    ``keep_rest`` the others are kept under their own names (committed rows this grid did not re-run).
+    ``data.root`` of this machine in their commands is written as the relative ``../shared/data`` every grid
+    command uses."""
     rows = []
     for path in paths:
         for r in json.loads(Path(path).read_text())["jobs"]:
-            if r["method"] not in methods:
+            if (r["group"], r["method"]) in methods:
+                r = dict(r, method=f"{r['method']}{OLD_SUFFIX} ({label})", old_source=str(path))
+            elif keep_rest:
+                r = dict(r, old_source=str(path), not_rerun=True)
+            else:
                 continue
-            r = dict(r, method=f"{r['method']}{OLD_SUFFIX} ({label})", old_source=str(path))
             r["command"] = " ".join("data.root=../shared/data" if t.startswith("data.root=/") else t
                                     for t in r["command"].split())
             rows.append(r)
@@ -268,6 +273,8 @@ def to_markdown(results, columns, meta) -> str:
              f"Machine: {meta['machine']}; device {meta['device']}; python {meta['python']}; torch {meta.get('torch')}; "
              f"{meta['parallel_jobs']} job(s) at once, {meta['threads_per_job'] or 'default'} torch thread(s) each"
              + (f"; GPU {meta['gpu']}" if meta.get("gpu") else ""), ""]
+    if meta.get("note"):
+        lines += [meta["note"].rstrip(), ""]
     if meta.get("collect"):
         lines += ["Collected from finished runs (`--collect`): the grids that ran them are "
                   + "; ".join(f"`{c}`" for c in meta.get("grid_commands", [])) + ". Each job's own `src.train` "
@@ -282,7 +289,9 @@ def to_markdown(results, columns, meta) -> str:
             ok = finished_rows(rows, g, method)
             paper = PAPER.get((g, base_method(method)))
             ptxt = " / ".join(f"{v:g}" for v in paper if v is not None) if paper else "—"
-            cells = [method, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has] + [ptxt]
+            label = method + (" (committed, not re-run)" if ok and all(r.get("not_rerun") for r in ok)
+                              and method.startswith("DEQ") else "")
+            cells = [label, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has] + [ptxt]
             lines.append("| " + " | ".join(cells) + " |")
         true_ll = mean_of(results, g, "DEQ-SM", "test/true_log_likelihood")
         if true_ll is not None:
@@ -451,6 +460,9 @@ def main(argv=None):
                    help="a committed result JSON whose rows of this grid's methods are tabulated beside the new "
                         "ones as '<method> — old (<--old-label>)' (repeatable)")
     p.add_argument("--old-label", default="committed")
+    p.add_argument("--old-keep-rest", action="store_true",
+                   help="with --old: keep the file's rows of methods this grid did not re-run, under their own names")
+    p.add_argument("--note", type=Path, default=None, help="a markdown file printed above the tables")
     args = p.parse_args(argv)
     grid_fn, columns = GRIDS[args.grid]
     jobs = grid_fn(args)
@@ -477,6 +489,8 @@ def main(argv=None):
             meta["gpu"] = torch.cuda.get_device_name(0)
     except (ImportError, RuntimeError) as exc:  # the table still gets written, without these two fields
         print(f"torch version / GPU name unavailable: {exc}", file=sys.stderr)
+    if args.note:
+        meta["note"] = args.note.read_text()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or (args.grid + ("" if args.device == "cpu" else f"_{args.device}"))
     tasks = [(job, seed) for job in jobs for seed in seeds]
@@ -486,13 +500,21 @@ def main(argv=None):
     lock = threading.Lock()
 
     def write():
-        done = [r for r in results if r is not None] + old_rows
+        done = with_old([r for r in results if r is not None])
         (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "jobs": done}, indent=2))
         (args.out / f"{stem}.md").write_text(to_markdown(done, columns, meta))
 
-    old_rows = load_old(args.old, args.old_label, {j["method"] for j in jobs})
     if args.old:
-        meta["old"] = {"files": [str(p) for p in args.old], "label": args.old_label}
+        meta["old"] = {"files": [str(p) for p in args.old], "label": args.old_label, "keep_rest": args.old_keep_rest}
+    order = {(j["group"], j["method"]): i for i, j in enumerate(jobs)}
+
+    def with_old(new_rows):
+        """This grid's rows plus the committed ones, in the grid's order (old rows after their new one)."""
+        ran = {(r["group"], r["method"]) for r in new_rows if r["ok"]}
+        rows = new_rows + load_old(args.old, args.old_label, ran, args.old_keep_rest)
+        groups = list(dict.fromkeys(r["group"] for r in rows))
+        return sorted(rows, key=lambda r: (groups.index(r["group"]),
+                                           order.get((r["group"], base_method(r["method"])), len(order))))
 
     def work(i):
         job, seed = tasks[i]
@@ -513,7 +535,7 @@ def main(argv=None):
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         list(pool.map(work, range(len(tasks))))
-    done = [r for r in results if r is not None] + old_rows
+    done = with_old([r for r in results if r is not None])
     figures = plot(done, args.out, stem)
     write()
     print((args.out / f"{stem}.md").read_text())

@@ -96,8 +96,10 @@ def test_old_rows_sit_beside_new_ones_and_nice_targets(tmp_path):
     old.write_text(json.dumps({"jobs": [
         {**job("mnist", "DEQ-SSM", **{"test/log_likelihood": -2686.0}), "command": "python -m src.train data.root=/abs"},
         {**job("mnist", "Other", **{"test/log_likelihood": -1.0}), "command": "x"}]}))
-    old_rows = run_grid.load_old([old], "softplus injection", {"SSM", "DEQ-SSM"})
+    old_rows = run_grid.load_old([old], "softplus injection", {("mnist", "SSM"), ("mnist", "DEQ-SSM")})
     assert [r["method"] for r in old_rows] == ["DEQ-SSM — old (softplus injection)"]
+    kept = run_grid.load_old([old], "x", {("mnist", "DEQ-SSM")}, keep_rest=True)
+    assert [r["method"] for r in kept] == ["DEQ-SSM — old (x)", "Other"] and kept[1]["not_rerun"]
     assert old_rows[0]["command"] == "python -m src.train data.root=../shared/data"
     new = [job("mnist", "SSM", seed=s, **{"test/log_likelihood": -2160.0 + s, "test/sm_loss": -2.0,
                                           "profile/saved_bytes_mean": 158 * mb}) for s in (0, 1)]
