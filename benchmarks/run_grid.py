@@ -48,7 +48,8 @@ from src.reporting import (
 )
 
 NICE_COLUMNS = [
-    ("test/sm_loss", "test SM loss", 1), ("test/log_likelihood", "test LL (logit space)", 1),
+    ("test/sm_loss", "test SM loss", 1), ("clamp/test/sm_loss", "test SM loss, clamp test data", 1),
+    ("test/log_likelihood", "test LL (logit space)", 1), ("clamp/test/log_likelihood", "test LL, clamp test data", 1),
     ("test/bits_per_dim", "bits/dim (pixels)", 3), ("n_params", "params", 0),
     ("profile/saved_bytes_mean", "saved MB/step", 1), ("profile/peak_cuda_bytes_max", "peak CUDA MB", 0),
     ("profile/time_per_step_s", "s/step", 4), ("profile/deq_iterations_mean", "DEQ iters", 1),
@@ -90,16 +91,34 @@ UCI = ("parkinsons", "redwine", "whitewine")
 
 def nice_grid(args) -> list[dict]:
     base = ["experiment=nice_mnist", "loss=ssm", f"data.root={args.root}"]
-    return [
+    lin, soft = "deq.injection=linear", "deq.injection=softplus"
+    jobs = [
         {"group": "mnist", "method": "SSM", "overrides": [*base, "deq=false"]},
-        {"group": "mnist", "method": "DEQ-SSM", "overrides": [*base, "deq=true"]},
-        # the explicit net a Frobenius-normalized wide DEQ nearly reduces to: injection + read-out
+        {"group": "mnist", "method": "DEQ-SSM", "overrides": [*base, "deq=true", lin]},
+        # the baselines of Table 4 with the reference coupling MLP (5 layers)
+        {"group": "mnist", "method": "MLE", "overrides": [*base, "loss=mle", "deq=false"]},
+        {"group": "mnist", "method": "CP", "overrides": [*base, "loss=cp", "deq=false"]},
+        {"group": "mnist", "method": "DSM σ=0.1", "overrides": [*base, "loss=dsm", "loss.sigma=0.1", "deq=false"]},
+        {"group": "mnist", "method": "DSM σ=1.74", "overrides": [*base, "loss=dsm", "loss.sigma=1.74", "deq=false"]},
+        # the explicit net a DEQ coupling with Ŵ = 0 is (linear injection): injection + read-out
         {"group": "mnist", "method": "SSM (2 layers)", "overrides": [*base, "deq=false", "depth=2"]},
+        # g = Softplus(Ux + b) inside f = Softplus(Ŵz + g): the input squashed twice (what was built before)
+        {"group": "mnist", "method": "DEQ-SSM (softplus injection)", "overrides": [*base, "deq=true", soft]},
         # two dense layers inside each coupling's DEQ map, as the paper authors' code (~11M parameters)
-        {"group": "mnist", "method": "DEQ-SSM (2 layers in f)", "overrides": [*base, "deq=true", "depth=2"]},
+        {"group": "mnist", "method": "DEQ-SSM (2 layers in f)", "overrides": [*base, "deq=true", "depth=2", lin]},
         # W / (λ‖W‖₂) instead of W / (λ‖W‖_F): a 1000-wide map that contracts at ≈ 1/λ, not ≈ 0.03
-        {"group": "mnist", "method": "DEQ-SSM (spectral norm)", "overrides": [*base, "deq=true", "deq.norm=spectral"]},
+        {"group": "mnist", "method": "DEQ-SSM (spectral norm)",
+         "overrides": [*base, "deq=true", "deq.norm=spectral", lin]},
+        # the clipping evidence: experiment=nice_mnist does not clip (the reference nice_runner); the old default did
+        {"group": "mnist", "method": "SSM (clip 100)", "overrides": [*base, "deq=false", "trainer.gradient_clip_val=100"]},
+        {"group": "mnist", "method": "DEQ-SSM (clip 100)",
+         "overrides": [*base, "deq=true", lin, "trainer.gradient_clip_val=100"]},
     ]
+    if args.squash != "affine":  # the same grid on the reference code's data convention (method names marked)
+        for j in jobs:
+            j["method"] += f" [squash={args.squash}]"
+            j["overrides"].append(f"data.squash={args.squash}")
+    return jobs
 
 
 def dkef_grid(args) -> list[dict]:
@@ -109,7 +128,7 @@ def dkef_grid(args) -> list[dict]:
             base = ["experiment=dkef_uci", f"data={data}", f"data.root={args.root}"]
             methods = [(name, [f"loss={loss}", "deq=false", "depth=3"])
                        for name, loss in (("DSM", "dsm"), ("CP", "cp"), ("SSM", "ssm"), ("SSM-VR", "ssm_vr"))]
-            methods.append(("DEQ-SSM-VR", ["loss=ssm_vr", "deq=true"]))
+            methods.append(("DEQ-SSM-VR", ["loss=ssm_vr", "deq=true", "deq.injection=linear"]))
         elif data.startswith("gaussian") and data[len("gaussian"):].isdigit():
             base = ["experiment=dkef_gaussian", f"data.dim={int(data[len('gaussian'):])}"]
             methods = []
@@ -118,10 +137,20 @@ def dkef_grid(args) -> list[dict]:
         if args.epochs is not None:
             base.append(f"trainer.max_epochs={args.epochs}")
         methods += [(f"SM {d}-layer", ["loss=sm", "deq=false", f"depth={d}"]) for d in (3, 8, 16)]
-        methods.append(("DEQ-SM", ["loss=sm", "deq=true"]))
-        if args.variants:  # beyond the paper: a DEQ as narrow as the explicit nets, and one phantom step
-            methods += [("DEQ-SM (width 30)", ["loss=sm", "deq=true", "model.deq_width=30"]),
-                        ("DEQ-SM (width 30 K=1)", ["loss=sm", "deq=true", "model.deq_width=30", "deq.phantom_steps=1"])]
+        methods.append(("DEQ-SM", ["loss=sm", "deq=true", "deq.injection=linear"]))
+        if args.variants:  # beyond the paper: a DEQ as narrow as the explicit nets, one phantom step, g squashed
+            lin = "deq.injection=linear"
+            methods += [("DEQ-SM (width 30)", ["loss=sm", "deq=true", "model.deq_width=30", lin]),
+                        ("DEQ-SM (width 30 K=1)",
+                         ["loss=sm", "deq=true", "model.deq_width=30", "deq.phantom_steps=1", lin]),
+                        ("DEQ-SM (softplus injection)", ["loss=sm", "deq=true", "deq.injection=softplus"])]
+            if data in UCI:
+                methods.append(("DEQ-SSM-VR (softplus injection)",
+                                ["loss=ssm_vr", "deq=true", "deq.injection=softplus"]))
+                # the clipping evidence: experiment=dkef_uci clips at 100 (the DKEF reference code)
+                methods += [("DEQ-SM (no clip)", ["loss=sm", "deq=true", lin, "trainer.gradient_clip_val=null"]),
+                            ("DEQ-SSM-VR (no clip)",
+                             ["loss=ssm_vr", "deq=true", lin, "trainer.gradient_clip_val=null"])]
         jobs += [{"group": data, "method": name, "overrides": [*base, *ov]} for name, ov in methods]
     return jobs
 
@@ -137,6 +166,44 @@ def fmt(values, digits, key):
 def finished_rows(results, group, method) -> list[dict]:
     """The successful jobs (all seeds) of one method on one data set."""
     return [r for r in results if r["ok"] and r["group"] == group and r["method"] == method]
+
+
+OLD_SUFFIX = " — old"
+
+
+def base_method(method: str) -> str:
+    return method.split(OLD_SUFFIX)[0]
+
+
+def load_old(paths: list[Path], label: str, methods: set[tuple[str, str]], keep_rest: bool = False) -> list[dict]:
+    """Rows of committed result files (``--old``): those of a (data set, method) this grid has run are renamed
+    ``"<method> — old (<label>)"`` (the numbers as they were committed, beside the new ones); with
+    ``keep_rest`` the others are kept under their own names (committed rows this grid did not re-run).
+    ``data.root`` of this machine in their commands is written as the relative ``../shared/data`` every grid
+    command uses."""
+    rows = []
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["jobs"]:
+            if (r["group"], r["method"]) in methods:
+                r = dict(r, method=f"{r['method']}{OLD_SUFFIX} ({label})", old_source=str(path))
+            elif keep_rest:
+                r = dict(r, old_source=str(path), not_rerun=True)
+            else:
+                continue
+            r["command"] = " ".join("data.root=../shared/data" if t.startswith("data.root=/") else t
+                                    for t in r["command"].split())
+            rows.append(r)
+    return rows
+
+
+def ordered_methods(rows) -> list[str]:
+    """This grid's methods in grid order, each followed by its committed (old) row."""
+    names = list(dict.fromkeys(r["method"] for r in rows))
+    new = [m for m in names if OLD_SUFFIX not in m]
+    out = []
+    for m in new:
+        out += [m] + [o for o in names if OLD_SUFFIX in o and base_method(o) == m]
+    return out + [o for o in names if o not in out]
 
 
 def mean_of(results, group, method, key):
@@ -183,11 +250,41 @@ def target_lines(results) -> list[str]:
     return lines
 
 
+def nice_target_lines(results) -> list[str]:
+    """Issue 14's acceptance for Table 4: DEQ-SSM's mean test LL ≥ SSM's, its test SM loss ≤ SSM's (both data
+    conventions), saved bytes DEQ / SSM ≤ 0.8."""
+    lines = []
+
+    def verdict(ok):
+        return "met" if ok else "MISSED"
+
+    for g in dict.fromkeys(r["group"] for r in results):
+        deq = {k: summarise([r["metrics"].get(k) for r in finished_rows(results, g, "DEQ-SSM")]) for k in
+               ("test/log_likelihood", "test/sm_loss", "clamp/test/sm_loss", "profile/saved_bytes_mean")}
+        ssm = {k: summarise([r["metrics"].get(k) for r in finished_rows(results, g, "SSM")]) for k in deq}
+        if not deq["test/log_likelihood"][2] or not ssm["test/log_likelihood"][2]:
+            continue
+        n = f"{deq['test/log_likelihood'][2]} vs {ssm['test/log_likelihood'][2]} seeds"
+        for key, what, better in (("test/log_likelihood", "test LL", lambda a, b: a >= b),
+                                  ("test/sm_loss", "test SM loss (affine test data)", lambda a, b: a <= b),
+                                  ("clamp/test/sm_loss", "test SM loss (clamp test data)", lambda a, b: a <= b)):
+            (dm, ds, dn), (sm, ss, sn) = deq[key], ssm[key]
+            if dn and sn:
+                lines.append(f"- {g}: DEQ-SSM {what} {dm:.1f} ± {ds:.1f} vs SSM {sm:.1f} ± {ss:.1f} ({n}) — "
+                             f"{verdict(better(dm, sm))}")
+        if deq["profile/saved_bytes_mean"][2] and ssm["profile/saved_bytes_mean"][2]:
+            r = deq["profile/saved_bytes_mean"][0] / ssm["profile/saved_bytes_mean"][0]
+            lines.append(f"- {g}: saved bytes DEQ-SSM / SSM = {r:.2f} (target ≤ 0.8: {verdict(r <= 0.8)})")
+    return lines
+
+
 def to_markdown(results, columns, meta) -> str:
     lines = [f"Command: `{meta['command']}`", "",
              f"Machine: {meta['machine']}; device {meta['device']}; python {meta['python']}; torch {meta.get('torch')}; "
              f"{meta['parallel_jobs']} job(s) at once, {meta['threads_per_job'] or 'default'} torch thread(s) each"
              + (f"; GPU {meta['gpu']}" if meta.get("gpu") else ""), ""]
+    if meta.get("note"):
+        lines += [meta["note"].rstrip(), ""]
     if meta.get("collect"):
         lines += ["Collected from finished runs (`--collect`): the grids that ran them are "
                   + "; ".join(f"`{c}`" for c in meta.get("grid_commands", [])) + ". Each job's own `src.train` "
@@ -197,11 +294,13 @@ def to_markdown(results, columns, meta) -> str:
         head = ["method", "seeds", *(t for _, t, _ in has), "paper SM / LL" + (" / Fisher" if "gaussian" in g else "")
                 + " / GB"]
         body = []
-        for method in group_rows(rows, lambda r: r["method"]):
+        for method in ordered_methods(rows):
             ok = finished_rows(rows, g, method)
-            paper = PAPER.get((g, method))
+            paper = PAPER.get((g, base_method(method)))
             ptxt = " / ".join(f"{v:g}" for v in paper if v is not None) if paper else "—"
-            body.append([method, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has]
+            label = method + (" (committed, not re-run)" if ok and all(r.get("not_rerun") for r in ok)
+                              and method.startswith("DEQ") else "")
+            body.append([label, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has]
                         + [ptxt])
         lines += [f"### {g}", "", *markdown_table(head, body)]
         true_ll = mean_of(results, g, "DEQ-SM", "test/true_log_likelihood")
@@ -211,6 +310,9 @@ def to_markdown(results, columns, meta) -> str:
     targets = target_lines(results)
     if targets:
         lines += ["### Targets (DEQ-SM DKEF)", "", *targets, ""]
+    targets = nice_target_lines(results)
+    if targets:
+        lines += ["### Targets (DEQ-SSM NICE, issue 14)", "", *targets, ""]
     failed = [r for r in results if not r["ok"]]
     if failed:
         lines += ["### Failed jobs", ""] + [f"- {r['group']} {r['method']} seed {r['seed']}: {r.get('error', '')[:300]}"
@@ -260,7 +362,7 @@ def plot(results, out: Path, stem: str) -> list[Path]:
 
 
 def run_dir_of(runs: Path, job: dict, seed: int) -> Path:
-    safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in f"{job['group']}_{job['method']}")
+    safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in f"{job['group']}_{job['method']}")
     return runs / f"{safe}_seed{seed}"
 
 
@@ -292,7 +394,41 @@ def run_job(job, seed, args, runs: Path, env) -> dict:
     metrics = load_run(run_dir)["metrics"] if record["ok"] else {}
     metrics.pop("config", None)
     record["metrics"] = metrics
+    attach_clamp(record, run_dir)
     return record
+
+
+def attach_clamp(record: dict, run_dir: Path) -> None:
+    """Add a run's clamp re-evaluation (``--eval-clamp``) to its record as ``clamp/<key>`` metrics."""
+    clamp = run_dir / CLAMP_EVAL
+    if record["ok"] and clamp.exists():
+        payload = json.loads(clamp.read_text())
+        record["clamp_eval_command"] = payload.pop("command", None)
+        record["metrics"].update({f"clamp/{k}": v for k, v in payload.items() if isinstance(v, (int, float))})
+
+
+CLAMP_EVAL = "eval_squash_clamp.json"
+
+
+def eval_clamp(run_dir: Path, root: str, env) -> str | None:
+    """Test metrics of a finished run's tested checkpoint on the reference code's data convention
+    (``data.squash=clamp``) without retraining: ``python -m src.evaluate``, kept as ``eval_squash_clamp.json``."""
+    if (run_dir / CLAMP_EVAL).exists() or not (run_dir / "metrics.json").exists():
+        return None
+    ckpt = json.loads((run_dir / "metrics.json").read_text()).get("tested_checkpoint") or str(
+        run_dir / "checkpoints" / "last.ckpt")
+    try:
+        ckpt = str(Path(ckpt).resolve().relative_to(ROOT))
+    except ValueError:
+        pass
+    cmd = [sys.executable, "-m", "src.evaluate", f"ckpt_path={ckpt}", "data.squash=clamp", f"data.root={root}"]
+    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return proc.stderr[-1500:]
+    payload = json.loads((run_dir / "eval_metrics.json").read_text())
+    payload["command"] = "python -m src.evaluate " + " ".join(cmd[3:])
+    (run_dir / CLAMP_EVAL).write_text(json.dumps(payload, indent=2))
+    return None
 
 
 def main(argv=None):
@@ -318,9 +454,21 @@ def main(argv=None):
                    help="with --collect: a command that ran part of the grid, quoted in the table (repeatable)")
     p.add_argument("--variants", action="store_true",
                    help="dkef grid: add DEQ-SM with the explicit nets' width 30, with K = 2 and K = 1 phantom steps")
+    p.add_argument("--squash", default="affine", choices=["affine", "clamp"],
+                   help="nice grid: data.squash of every job (clamp: the reference code's; method names marked)")
     p.add_argument("--extra", default="", help="extra overrides for every job, space separated")
     p.add_argument("--render", action="store_true",
                    help="run nothing: rewrite <name>.md and the figures from the saved <name>.json in --out")
+    p.add_argument("--eval-clamp", action="store_true",
+                   help="nice grid: also evaluate each finished run's tested checkpoint on data.squash=clamp test data "
+                        "(python -m src.evaluate; no retraining)")
+    p.add_argument("--old", type=Path, action="append", default=[],
+                   help="a committed result JSON whose rows of this grid's methods are tabulated beside the new "
+                        "ones as '<method> — old (<--old-label>)' (repeatable)")
+    p.add_argument("--old-label", default="committed")
+    p.add_argument("--old-keep-rest", action="store_true",
+                   help="with --old: keep the file's rows of methods this grid did not re-run, under their own names")
+    p.add_argument("--note", type=Path, default=None, help="a markdown file printed above the tables")
     args = p.parse_args(argv)
     grid_fn, columns = GRIDS[args.grid]
     if args.render:
@@ -354,6 +502,8 @@ def main(argv=None):
             meta["gpu"] = torch.cuda.get_device_name(0)
     except (ImportError, RuntimeError) as exc:  # the table still gets written, without these two fields
         print(f"torch version / GPU name unavailable: {exc}", file=sys.stderr)
+    if args.note:
+        meta["note"] = args.note.read_text()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or (args.grid + ("" if args.device == "cpu" else f"_{args.device}"))
     tasks = [(job, seed) for job in jobs for seed in seeds]
@@ -363,13 +513,30 @@ def main(argv=None):
     lock = threading.Lock()
 
     def write():
-        done = [r for r in results if r is not None]
+        done = with_old([r for r in results if r is not None])
         (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "jobs": done}, indent=2))
         (args.out / f"{stem}.md").write_text(to_markdown(done, columns, meta))
+
+    if args.old:
+        meta["old"] = {"files": [str(p) for p in args.old], "label": args.old_label, "keep_rest": args.old_keep_rest}
+    order = {(j["group"], j["method"]): i for i, j in enumerate(jobs)}
+
+    def with_old(new_rows):
+        """This grid's rows plus the committed ones, in the grid's order (old rows after their new one)."""
+        ran = {(r["group"], r["method"]) for r in new_rows if r["ok"]}
+        rows = new_rows + load_old(args.old, args.old_label, ran, args.old_keep_rest)
+        groups = list(dict.fromkeys(r["group"] for r in rows))
+        return sorted(rows, key=lambda r: (groups.index(r["group"]),
+                                           order.get((r["group"], base_method(r["method"])), len(order))))
 
     def work(i):
         job, seed = tasks[i]
         rec = run_job(job, seed, args, runs, env)
+        if args.eval_clamp and rec["ok"]:
+            err = eval_clamp(run_dir_of(runs, job, seed), args.root, env)
+            if err:
+                print(f"{job['group']} {job['method']} seed={seed}: clamp evaluation FAILED\n{err}", flush=True)
+            attach_clamp(rec, run_dir_of(runs, job, seed))
         with lock:
             results[i] = rec
             state = "reused" if rec.get("reused") else ("ok" if rec["ok"] else "FAILED")
@@ -381,7 +548,7 @@ def main(argv=None):
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         list(pool.map(work, range(len(tasks))))
-    done = [r for r in results if r is not None]
+    done = with_old([r for r in results if r is not None])
     figures = plot(done, args.out, stem)
     write()
     print((args.out / f"{stem}.md").read_text())

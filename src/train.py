@@ -61,18 +61,10 @@ def _instantiate_group(group: DictConfig | None) -> list:
 
 def validate_config(cfg: DictConfig) -> None:
     """Start-up checks that turn an impossible combination into one clear message."""
-    depth = cfg.get("depth")
-    if depth is not None and (not isinstance(depth, int) or isinstance(depth, bool) or depth < 1):
-        raise ValueError(
-            f"depth={depth!r} is invalid: give a positive integer (explicit layers when deq=false, layers "
-            "inside the DEQ map f when deq=true), or leave it unset for the default (3 / 1)"
-        )
+    # Single-group values (depth, deq.*, data and model keys) are checked where they are used, once: the
+    # depth default and check in src.models.deq_net.resolve_depth, the DEQ keys in src.deq.config.DEQConfig.
+    # Here only what no single group can see: combinations across groups.
     deq = cfg.get("deq")
-    if deq is not None and deq.get("norm_lambda") is not None and float(deq.norm_lambda) <= 1.0:
-        raise ValueError(
-            f"deq.norm_lambda={deq.norm_lambda} is invalid: it must be > 1 so that the DEQ map is a contraction "
-            "(paper §3.2: W <- W / (lambda ||W||_F)); the paper's range is about 1.5-4"
-        )
     loss = cfg.get("loss")
     if (loss is not None and loss.get("name") == "cp" and deq is not None and deq.get("enabled")
             and deq.get("backward") == "implicit"):

@@ -29,7 +29,9 @@ def test_dkef_grid_has_the_papers_rows_with_their_overrides():
     jobs = run_grid.dkef_grid(Args())
     red = {j["method"]: j["overrides"] for j in jobs if j["group"] == "redwine"}
     assert list(red) == ["DSM", "CP", "SSM", "SSM-VR", "DEQ-SSM-VR", "SM 3-layer", "SM 8-layer", "SM 16-layer", "DEQ-SM"]
-    assert {"experiment=dkef_uci", "data=redwine", "loss=ssm_vr", "deq=true"} <= set(red["DEQ-SSM-VR"])
+    assert {"experiment=dkef_uci", "data=redwine", "loss=ssm_vr", "deq=true", "deq.injection=linear"} <= set(
+        red["DEQ-SSM-VR"])
+    assert "deq.injection=linear" in red["DEQ-SM"]
     assert {"loss=sm", "deq=false", "depth=16"} <= set(red["SM 16-layer"])
     gauss = {j["method"]: j["overrides"] for j in jobs if j["group"] == "gaussian200"}
     assert list(gauss) == ["SM 3-layer", "SM 8-layer", "SM 16-layer", "DEQ-SM"]
@@ -37,6 +39,7 @@ def test_dkef_grid_has_the_papers_rows_with_their_overrides():
     Args.variants = True
     red = {j["method"]: j["overrides"] for j in run_grid.dkef_grid(Args()) if j["group"] == "redwine"}
     assert {"model.deq_width=30", "deq.phantom_steps=1"} <= set(red["DEQ-SM (width 30 K=1)"])
+    assert "deq.injection=softplus" in red["DEQ-SSM-VR (softplus injection)"]
     Args.variants = False
     Args.datasets = "bogus"
     with pytest.raises(SystemExit, match="unknown data set 'bogus'"):
@@ -84,3 +87,51 @@ def test_render_rewrites_markdown_and_figures_from_the_json_alone(tmp_path):
     run_grid.main(["nice", "--render", "--out", str(tmp_path)])
     assert (tmp_path / "nice.md").read_text() == (RESULTS / "nice.md").read_text()
     assert (tmp_path / "nice_mnist.png").stat().st_size > 1000
+
+
+class NiceArgs:
+    root = "../shared/data"
+    squash = "affine"
+
+
+def test_nice_grid_names_the_injection_and_has_the_baselines():
+    jobs = {j["method"]: j["overrides"] for j in run_grid.nice_grid(NiceArgs())}
+    assert {"SSM", "DEQ-SSM", "MLE", "CP", "DSM σ=0.1", "DSM σ=1.74"} <= set(jobs)
+    assert {"deq=true", "deq.injection=linear"} <= set(jobs["DEQ-SSM"])
+    assert {"loss=dsm", "loss.sigma=1.74"} <= set(jobs["DSM σ=1.74"])
+    NiceArgs.squash = "clamp"
+    clamp = {j["method"]: j["overrides"] for j in run_grid.nice_grid(NiceArgs())}
+    NiceArgs.squash = "affine"
+    assert "data.squash=clamp" in clamp["DEQ-SSM [squash=clamp]"]
+    assert run_grid.run_dir_of(Path("r"), {"group": "mnist", "method": "DSM σ=0.1"}, 0).name.isascii()
+
+
+def test_old_rows_sit_beside_new_ones_and_nice_targets(tmp_path):
+    import json
+
+    mb = 1e6
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"jobs": [
+        {**job("mnist", "DEQ-SSM", **{"test/log_likelihood": -2686.0}), "command": "python -m src.train data.root=/abs"},
+        {**job("mnist", "Other", **{"test/log_likelihood": -1.0}), "command": "x"}]}))
+    old_rows = run_grid.load_old([old], "softplus injection", {("mnist", "SSM"), ("mnist", "DEQ-SSM")})
+    assert [r["method"] for r in old_rows] == ["DEQ-SSM — old (softplus injection)"]
+    kept = run_grid.load_old([old], "x", {("mnist", "DEQ-SSM")}, keep_rest=True)
+    assert [r["method"] for r in kept] == ["DEQ-SSM — old (x)", "Other"] and kept[1]["not_rerun"]
+    assert old_rows[0]["command"] == "python -m src.train data.root=../shared/data"
+    new = [job("mnist", "SSM", seed=s, **{"test/log_likelihood": -2160.0 + s, "test/sm_loss": -2.0,
+                                          "profile/saved_bytes_mean": 158 * mb}) for s in (0, 1)]
+    new += [job("mnist", "DEQ-SSM", seed=s, **{"test/log_likelihood": -2040.0 - s, "test/sm_loss": -3.0,
+                                               "clamp/test/sm_loss": 5.0, "profile/saved_bytes_mean": 99 * mb})
+            for s in (0, 1)]
+    rows = new + old_rows
+    assert run_grid.ordered_methods(rows) == ["SSM", "DEQ-SSM", "DEQ-SSM — old (softplus injection)"]
+    lines = "\n".join(run_grid.nice_target_lines(rows))
+    assert "DEQ-SSM test LL -2040.5 ± 0.7 vs SSM -2159.5 ± 0.7 (2 vs 2 seeds) — met" in lines
+    assert "test SM loss (affine test data) -3.0 ± 0.0 vs SSM -2.0 ± 0.0 (2 vs 2 seeds) — met" in lines
+    assert "clamp test data" not in lines  # SSM has no clamp evaluation: nothing to compare
+    assert "saved bytes DEQ-SSM / SSM = 0.63 (target ≤ 0.8: met)" in lines
+    meta = {"command": "x", "machine": "m", "device": "cpu", "python": "3", "parallel_jobs": 1, "threads_per_job": 1}
+    md = run_grid.to_markdown(rows, run_grid.NICE_COLUMNS, meta)
+    old_row = next(r for r in md.splitlines() if r.startswith("| DEQ-SSM — old"))
+    assert old_row.endswith("-2548 / -1766 / 5.5 |")  # the paper's figures of the base method

@@ -130,8 +130,8 @@ def test_deq_factory_is_picklable_without_importing_deq():
 
 
 def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
-    """The factory builds Sequential(DenseDEQBlock(in, width, n_layers, injection, config, name), Linear(width, out))
-    with the announced src.deq API (a stand-in here, so this runs whether or not src/deq is written)."""
+    """The factory builds DEQNet(injection → DenseDEQBlock(in, width, n_layers, injection, config, name) →
+    Linear(width, out)) with the announced src.deq API (a stand-in block here)."""
     import dataclasses
     import sys
     import types
@@ -140,6 +140,7 @@ def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
     class DEQConfig:
         tol: float = 1e-5
         max_iter: int = 128
+        injection: str | None = None
 
     class DenseDEQBlock(nn.Module):
         def __init__(self, in_dim, width, n_layers=1, injection=None, config=None, name="deq"):
@@ -153,13 +154,15 @@ def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
     monkeypatch.setitem(sys.modules, "src.deq.block", types.SimpleNamespace(DenseDEQBlock=DenseDEQBlock))
     monkeypatch.setitem(sys.modules, "src.deq.config", types.SimpleNamespace(DEQConfig=DEQConfig))
     model = NICE(dim=9, coupling_net=deq_coupling_factory(6, {"enabled": True, "tol": 1e-9}, n_layers=2)).double()
-    assert [m[0].args for m in model.couplings] == [
+    assert [m.block.args for m in model.couplings] == [
         (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.0"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.1"),
         (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.2"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.3"),
     ]
     first = model.couplings[0]
-    assert [type(m).__name__ for m in first[0].injection] == ["Linear", "Softplus"]  # g = Softplus(Ux + c)
-    assert (first[1].in_features, first[1].out_features) == (6, 4)
+    assert type(first.block.injection).__name__ == "Linear"  # NICE default: g = Ux + c (linear injection)
+    assert (first.readout.in_features, first.readout.out_features) == (6, 4) and first.skip is None
+    soft = deq_coupling_factory(6, {"enabled": True, "injection": "softplus"})(5, 4)
+    assert [type(m).__name__ for m in soft.block.injection] == ["Linear", "Softplus"]
     x = torch.randn(3, 9, dtype=torch.float64)
     assert (model.inverse(model(x)) - x).abs().max().item() < 1e-12
 
@@ -169,7 +172,7 @@ def test_nice_with_deq_couplings_is_exactly_invertible():
     cfg = {"solver": "picard", "tol": 1e-13, "max_iter": 1000, "phantom_steps": 2, "warm_start": True,
            "norm_lambda": 2.0, "backward": "phantom"}
     model = NICE(dim=8, coupling_net=deq_coupling_factory(16, cfg)).double()
-    assert all(type(m[0]).__name__ == "DenseDEQBlock" for m in model.couplings)
+    assert all(type(m.block).__name__ == "DenseDEQBlock" for m in model.couplings)
     x = torch.randn(16, 8, dtype=torch.float64)
     y = model(x)
     assert (model.inverse(y) - x).abs().max().item() < 1e-10

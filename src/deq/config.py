@@ -8,6 +8,7 @@ SOLVERS = ("picard", "anderson", "broyden")
 BACKWARDS = ("phantom", "implicit")
 STOP_MODES = ("abs", "rel")
 NORMS = ("frobenius", "spectral", "none")  # none: the weights as they are (hand-built maps)
+INJECTIONS = (None, "linear", "softplus")
 
 
 @dataclass
@@ -23,6 +24,9 @@ class DEQConfig:
     backward: str = "phantom"
     anderson_m: int = 5
     anderson_beta: float = 1.0
+    # The model's input injection g (src/models/deq_net.py builds it; the block only receives the module):
+    # linear | softplus, None = the model family's default. Kept here so the whole `deq` group maps onto this.
+    injection: str | None = None
 
     def __post_init__(self):
         if self.solver not in SOLVERS:
@@ -33,6 +37,9 @@ class DEQConfig:
             raise ValueError(f"deq.stop_mode={self.stop_mode!r} is unknown; valid: {', '.join(STOP_MODES)}")
         if self.norm not in NORMS:
             raise ValueError(f"deq.norm={self.norm!r} is unknown; valid: {', '.join(NORMS)}")
+        if self.injection not in INJECTIONS:
+            raise ValueError(f"deq.injection={self.injection!r} is unknown; valid: linear, softplus "
+                             "(or null for the model family's default)")
         if float(self.norm_lambda) <= 1.0:
             raise ValueError(
                 f"deq.norm_lambda={self.norm_lambda} is invalid: it must be > 1 so that the DEQ map is a "

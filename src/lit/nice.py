@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from src.lit.base import ScoreMatchingModule, as_plain
+from src.models.deq_net import resolve_depth
 from src.models.nice import NICE, deq_coupling_factory
 
 
@@ -38,13 +39,12 @@ class NICELitModule(ScoreMatchingModule):
         self.save_hyperparameters()
         deq = deq or {}
         enabled = bool(deq.get("enabled", False))
-        if depth is not None and (int(depth) != depth or depth < 1):
-            raise ValueError(f"depth={depth} is invalid: it must be a positive integer")
+        depth = resolve_depth("nice", depth, enabled)
         if enabled:
-            factory = deq_coupling_factory(deq_width, deq, n_layers=int(depth or 1))
+            factory = deq_coupling_factory(deq_width, deq, n_layers=depth)
             self.net = NICE(input_dim, n_couplings=n_couplings, coupling_net=factory)
         else:
-            self.net = NICE(input_dim, n_couplings=n_couplings, hidden=hidden, mlp_layers=int(depth or 5))
+            self.net = NICE(input_dim, n_couplings=n_couplings, hidden=hidden, mlp_layers=depth)
         self.n_samples_grid = n_samples_grid
 
     def log_likelihood_metrics(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -15,7 +15,8 @@ Each coupling function m maps one half to the other (``ceil(D/2)`` and ``floor(D
 D = 784). By default it is the reference MLP: ``mlp_layers`` dense layers, ``hidden`` wide, Softplus between
 them (784 → 392→1000→1000→1000→1000→392 per coupling, 15.15 M parameters in all). Any other network is
 plugged in through ``coupling_net``, a factory ``(in_dim, out_dim) -> nn.Module`` called once per coupling,
-in order; :func:`deq_coupling_factory` builds the paper's DEQ variant (each MLP → one dense DEQ block).
+in order; :func:`deq_coupling_factory` builds the paper's DEQ variant (each MLP → one dense DEQ block, via
+the shared builder :mod:`src.models.deq_net`: injection → DEQ block → linear read-out).
 Because m's output is only *added*, the flow stays exactly invertible whatever m is, provided m is a
 deterministic function of its input (a DEQ solved to tolerance ``tol`` is, up to ``tol``).
 
@@ -25,11 +26,13 @@ The permutation is index-based (no dense 784×784 matmul, unlike the reference c
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+from src.models.deq_net import DEQNetFactory
 
 CouplingFactory = Callable[[int, int], nn.Module]
 
@@ -61,64 +64,26 @@ class MLPCouplingFactory:
         return f"MLPCouplingFactory(hidden={self.hidden}, n_layers={self.n_layers})"
 
 
-class DEQCouplingFactory:
-    """Picklable factory of DEQ coupling functions (paper App. D.2; no lambdas or closures, DDP pickles).
+class DEQCouplingFactory(DEQNetFactory):
+    """Picklable factory of DEQ coupling functions (paper App. D.2): :class:`src.models.deq_net.DEQNet`
+    ``injection g → DenseDEQBlock(width, n_layers) → Linear(width, out_dim)``, no skip, with the NICE family's
+    defaults (``deq.injection: null`` → linear). Blocks are named ``f"{name}.{k}"`` for the k-th call."""
 
-    Builds ``Sequential(DenseDEQBlock(in_dim, width, n_layers, injection=Softplus(Linear(in_dim, width))),
-    Linear(width, out_dim))``: the input injection g is a single dense layer with Softplus (App. D.2), the
-    DEQ map is ``z ↦ σ(W z + g(x))`` (eq. 5), and a linear read-out maps the fixed point to the other half.
-    Blocks are named ``f"{name}.{k}"`` for the k-th call (solver statistics are reported per name).
-    """
-
-    def __init__(self, width: int, deq_config: Any = None, n_layers: int = 1, name: str = "nice.coupling"):
-        if int(width) < 1 or int(n_layers) < 1:
-            raise ValueError(f"width and n_layers must be >= 1, got width={width}, n_layers={n_layers}")
-        self.width = int(width)
-        self.n_layers = int(n_layers)
-        self.name = name
-        self.deq_config = _plain(deq_config)
-        self._built = 0
-
-    def __call__(self, in_dim: int, out_dim: int) -> nn.Module:
-        from src.deq.block import DenseDEQBlock  # lazy: models → deq, and only when the DEQ variant is asked
-        from src.deq.config import DEQConfig
-
-        cfg = self.deq_config
-        if not isinstance(cfg, DEQConfig):
-            cfg = DEQConfig(**{k: v for k, v in dict(cfg or {}).items() if k != "enabled"})
-        injection = nn.Sequential(nn.Linear(in_dim, self.width), nn.Softplus())
-        block = DenseDEQBlock(
-            in_dim, self.width, n_layers=self.n_layers, injection=injection, config=cfg,
-            name=f"{self.name}.{self._built}",
-        )
-        self._built += 1
-        return nn.Sequential(block, nn.Linear(self.width, out_dim))
-
-    def __repr__(self) -> str:
-        return f"DEQCouplingFactory(width={self.width}, n_layers={self.n_layers}, deq_config={self.deq_config})"
+    def __init__(self, width: int, deq_config: Any = None, n_layers: int = 1, name: str = "nice.coupling",
+                 injection: str | None = None):
+        super().__init__(width, deq_config, n_layers=n_layers, family="nice", injection=injection, kind="dense",
+                         skip=False, name=name)
 
 
-def deq_coupling_factory(width: int, deq_config: Any = None, n_layers: int = 1) -> DEQCouplingFactory:
+def deq_coupling_factory(width: int, deq_config: Any = None, n_layers: int = 1,
+                         injection: str | None = None) -> DEQCouplingFactory:
     """Factory for ``NICE(coupling_net=...)``: each coupling MLP becomes one dense DEQ block ``width`` wide.
 
     ``deq_config`` is a ``src.deq.config.DEQConfig`` or a mapping of its fields (the ``deq`` config group;
-    its ``enabled`` key is ignored). ``src.deq`` is imported only when a coupling is built.
+    its ``enabled`` key is ignored, its ``injection`` key picks g). ``src.deq`` is imported only when a
+    coupling is built.
     """
-    return DEQCouplingFactory(width, deq_config, n_layers=n_layers)
-
-
-def _plain(cfg: Any) -> Any:
-    """OmegaConf / Mapping configs → plain dict (picklable, printable); anything else unchanged."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    return cfg
+    return DEQCouplingFactory(width, deq_config, n_layers=n_layers, injection=injection)
 
 
 class NICE(nn.Module):

@@ -1,0 +1,199 @@
+"""One builder for every DEQ network of the models: input injection g → DEQ block → read-out (+ skip).
+
+    z* = f(z*; x),  f(z; x) = σ(Ŵ z + g(x))      (paper eq. 5, σ = Softplus, Ŵ = W / (λ‖W‖_F))
+    out = R z* (+ S x)
+
+``kind="dense"`` (DKEF feature networks, NICE couplings) uses :class:`src.deq.block.DenseDEQBlock` with
+``n_layers`` dense layers inside f; ``kind="conv"`` (image models) a :class:`src.deq.block.ConvDEQBlock`
+with a convolutional injection and a 1×1 convolutional read-out. The same module also holds the single
+place where a model family's defaults are resolved: :func:`resolve_depth` (the ``depth`` key) and
+:func:`resolve_injection` (the ``deq.injection`` key).
+
+**The injection.** App. D.1/D.2 say the injection is "a single layer MLP with Softplus". In the paper's
+authors' code that Softplus is *the* nonlinearity of a one-hidden-layer network: their fixed point is
+z = Ŵz + Softplus(Ux + b) (DKEF) or z = ½·Softplus(L₂ Softplus(L₁ z)) + Softplus(Ux + b) (NICE), i.e. the
+injection is added *after* the map's own nonlinearity, so with Ŵ = 0 the network is the explicit 2-layer
+MLP R·Softplus(Ux + b). Eq. 5 (this framework's map) puts g *inside* the Softplus, σ(Ŵz + g(x)): there
+the equivalent of the authors' network is a **linear** injection g(x) = Ux + b, whose Ŵ = 0 limit is the same
+2-layer MLP R·σ(Ux + b). A Softplus injection inside eq. 5 squashes the input twice (Ŵ = 0:
+R·σ(σ(Ux + b))), which on NICE costs ≈ 600 nats of test log-likelihood (benchmarks/results/nice.md).
+``injection="softplus"`` is kept as a choice (it is what this framework built before) for comparisons.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+INJECTIONS = ("linear", "softplus")
+KINDS = ("dense", "conv")
+
+# The defaults of each model family, decided in this one place (conf/model/<family>.yaml documents them):
+# - explicit_depth: dense layers of the explicit network when deq=false (DKEF: the reference Phi_w's 3;
+#   NICE: the reference coupling MLP's 5); a DEQ always defaults to 1 layer inside f (the paper's);
+# - injection: what ``deq.injection: null`` means (see the module doc and benchmarks/results/*.md).
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
+    "dkef": {"explicit_depth": 3, "injection": "linear"},
+    "nice": {"explicit_depth": 5, "injection": "linear"},
+}
+DEQ_DEPTH_DEFAULT = 1
+
+
+def _family(family: str) -> dict[str, Any]:
+    try:
+        return FAMILY_DEFAULTS[family]
+    except KeyError:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILY_DEFAULTS)}") from None
+
+
+def resolve_depth(family: str, depth: int | None, deq_enabled: bool) -> int:
+    """The ``depth`` key, validated, with ``None`` replaced by the family's default.
+
+    ``depth`` counts explicit dense layers when ``deq_enabled`` is false (default: the family's
+    ``explicit_depth``) and layers inside the DEQ map f when it is true (default 1), so every point of a
+    ``deq × depth`` sweep is a valid model. The one place this default is decided: src/train.py's start-up
+    check and the LightningModules call it.
+    """
+    defaults = _family(family)
+    if depth is None:
+        return DEQ_DEPTH_DEFAULT if deq_enabled else int(defaults["explicit_depth"])
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or int(depth) != depth or depth < 1:
+        default = f"{DEQ_DEPTH_DEFAULT} with deq=true, {defaults['explicit_depth']} with deq=false"
+        raise ValueError(
+            f"depth={depth!r} is invalid: give a positive integer (explicit layers when deq=false, layers inside "
+            f"the DEQ map f when deq=true), or leave it unset for the {family} default ({default})"
+        )
+    return int(depth)
+
+
+def resolve_injection(family: str, injection: str | None) -> str:
+    """``deq.injection``: ``linear`` | ``softplus``, or ``None`` for the family's default."""
+    value = _family(family)["injection"] if injection is None else injection
+    if value not in INJECTIONS:
+        raise ValueError(f"deq.injection={injection!r} is unknown; valid: {', '.join(INJECTIONS)} "
+                         "(or null for the model family's default)")
+    return value
+
+
+def deq_settings(deq: Any) -> tuple[Any, str | None]:
+    """Split the ``deq`` config group into a ``DEQConfig`` (solver keys) and its ``injection`` key.
+
+    ``deq`` is a mapping (the config group; ``enabled`` is dropped), a ``DEQConfig`` or ``None``.
+    """
+    DEQConfig = importlib.import_module("src.deq.config").DEQConfig  # lazy, as the block import
+
+    if isinstance(deq, DEQConfig):
+        return deq, getattr(deq, "injection", None)
+    cfg = dict(deq or {})
+    cfg.pop("enabled", None)
+    injection = cfg.get("injection")
+    return DEQConfig(**cfg), injection
+
+
+def make_injection(kind: str, injection: str, in_features: int, width: int, kernel_size: int = 3) -> nn.Module:
+    """g: ``Linear(in, width)`` / ``Conv2d(in, width, k)`` (``linear``), followed by Softplus (``softplus``)."""
+    if kind == "dense":
+        layer: nn.Module = nn.Linear(in_features, width)
+    elif kind == "conv":
+        layer = nn.Conv2d(in_features, width, kernel_size, padding=kernel_size // 2)
+    else:
+        raise ValueError(f"kind={kind!r} is unknown; valid: {', '.join(KINDS)}")
+    if injection == "linear":
+        return layer
+    if injection == "softplus":
+        return nn.Sequential(layer, nn.Softplus())
+    raise ValueError(f"injection={injection!r} is unknown; valid: {', '.join(INJECTIONS)}")
+
+
+class DEQNet(nn.Module):
+    """injection g → one DEQ block → read-out R (+ a bias-free linear skip S from x): ``out = R z* (+ S x)``.
+
+    ``kind="dense"``: ``[B, in_features] → [B, out_features]``, ``n_layers`` dense layers inside f.
+    ``kind="conv"``: ``[B, C_in, H, W] → [B, out_features, H, W]``, f a ``kernel_size`` convolution,
+    R (and S) 1×1 convolutions. ``deq`` is the ``deq`` config group (mapping) or a ``DEQConfig``; ``injection``
+    overrides its ``injection`` key; ``family`` resolves a ``None`` injection to that family's default.
+    """
+
+    def __init__(self, in_features: int, out_features: int, width: int, *, deq: Any = None,
+                 injection: str | None = None, family: str = "nice", n_layers: int = 1, kind: str = "dense",
+                 skip: bool = False, kernel_size: int = 3, name: str = "deq"):
+        super().__init__()
+        blocks = importlib.import_module("src.deq.block")  # lazy: src.models stays importable without src.deq
+
+        config, from_cfg = deq_settings(deq)
+        self.injection_kind = resolve_injection(family, injection if injection is not None else from_cfg)
+        if int(width) < 1 or int(n_layers) < 1:
+            raise ValueError(f"width and n_layers must be >= 1, got width={width}, n_layers={n_layers}")
+        if kind not in KINDS:
+            raise ValueError(f"kind={kind!r} is unknown; valid: {', '.join(KINDS)}")
+        self.kind = kind
+        g = make_injection(kind, self.injection_kind, in_features, int(width), kernel_size)
+        if kind == "dense":
+            self.block = blocks.DenseDEQBlock(in_features, int(width), n_layers=int(n_layers), injection=g, config=config,
+                                       name=name)
+            self.readout = nn.Linear(int(width), out_features)
+            self.skip = nn.Linear(in_features, out_features, bias=False) if skip else None
+        else:
+            if int(n_layers) != 1:
+                raise ValueError(f"conv DEQ networks have one convolution inside f, got n_layers={n_layers}")
+            self.block = blocks.ConvDEQBlock(in_features, int(width), kernel_size, injection=g, config=config, name=name)
+            self.readout = nn.Conv2d(int(width), out_features, 1)
+            self.skip = nn.Conv2d(in_features, out_features, 1, bias=False) if skip else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.readout(self.block(x))
+        return out + self.skip(x) if self.skip is not None else out
+
+    def extra_repr(self) -> str:
+        return f"kind={self.kind}, injection={self.injection_kind}"
+
+
+class DEQNetFactory:
+    """Picklable factory ``(in_features, out_features) -> DEQNet`` (no lambdas or closures: DDP pickles).
+
+    The k-th network built is named ``f"{name}.{k}"`` (solver statistics are reported per block name).
+    ``deq`` is kept as a plain dict (or ``DEQConfig``) and ``src.deq`` is imported only when a network is built.
+    """
+
+    def __init__(self, width: int, deq: Any = None, *, n_layers: int = 1, family: str = "nice",
+                 injection: str | None = None, kind: str = "dense", skip: bool = False, kernel_size: int = 3,
+                 name: str = "deq"):
+        if int(width) < 1 or int(n_layers) < 1:
+            raise ValueError(f"width and n_layers must be >= 1, got width={width}, n_layers={n_layers}")
+        self.width, self.n_layers = int(width), int(n_layers)
+        self.deq_config = plain(deq)
+        raw = injection if injection is not None else (
+            self.deq_config.get("injection") if isinstance(self.deq_config, Mapping)
+            else getattr(self.deq_config, "injection", None))
+        self.injection = resolve_injection(family, raw)
+        self.family, self.kind, self.skip, self.kernel_size, self.name = family, kind, bool(skip), kernel_size, name
+        self._built = 0
+
+    def __call__(self, in_features: int, out_features: int) -> DEQNet:
+        net = DEQNet(in_features, out_features, self.width, deq=self.deq_config, injection=self.injection,
+                     family=self.family, n_layers=self.n_layers, kind=self.kind, skip=self.skip,
+                     kernel_size=self.kernel_size, name=f"{self.name}.{self._built}")
+        self._built += 1
+        return net
+
+    def __repr__(self) -> str:
+        return (f"DEQNetFactory(width={self.width}, n_layers={self.n_layers}, injection={self.injection}, "
+                f"kind={self.kind}, deq_config={self.deq_config})")
+
+
+def plain(cfg: Any) -> Any:
+    """OmegaConf / Mapping configs → plain dict (picklable, printable); anything else unchanged."""
+    try:
+        from omegaconf import DictConfig, OmegaConf
+
+        if isinstance(cfg, DictConfig):
+            return OmegaConf.to_container(cfg, resolve=True)
+    except ImportError:  # pragma: no cover
+        pass
+    if isinstance(cfg, Mapping):
+        return dict(cfg)
+    return cfg
