@@ -36,22 +36,11 @@ import lightning.pytorch as L
 import numpy as np
 import torch
 
+from src.configs import plain as as_plain
 from src.data.contract import ScoreDataModule, require_contract
 from src.metrics.evaluation import build_metrics
 from src.objectives.base import ObjectiveOutput
 from src.objectives.registry import get_objective
-
-
-def as_plain(cfg: Any) -> Any:
-    """OmegaConf containers -> plain dicts/lists (so hparams pickle and print cleanly)."""
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(cfg, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    return cfg
 
 
 def batch_tensor(batch: Any) -> torch.Tensor:

@@ -29,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from src.configs import plain
+
 INJECTIONS = ("linear", "softplus")
 KINDS = ("dense", "conv")
 
@@ -183,17 +185,3 @@ class DEQNetFactory:
     def __repr__(self) -> str:
         return (f"DEQNetFactory(width={self.width}, n_layers={self.n_layers}, injection={self.injection}, "
                 f"kind={self.kind}, deq_config={self.deq_config})")
-
-
-def plain(cfg: Any) -> Any:
-    """OmegaConf / Mapping configs → plain dict (picklable, printable); anything else unchanged."""
-    try:
-        from omegaconf import DictConfig, OmegaConf
-
-        if isinstance(cfg, DictConfig):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    return cfg
