@@ -191,3 +191,11 @@ def test_two_optimiser_toy_alternates_clips_writes_grid_and_fid(tmp_path, shared
     fid_after = fid_of(model)
     assert math.isfinite(fid_before) and math.isfinite(fid_after)
     assert fid_after < 0.7 * fid_before, (fid_before, fid_after)  # measured: 3104 -> 1786
+
+
+def test_optimized_metric_defaults_to_the_familys_monitor():
+    assert compose_train(["model=dkef"]).optimized_metric == "val/sm_loss"
+    cfg = compose_train(["model=dkef", "+model.monitor=val/dsm_loss", "+model.monitor_mode=max"])
+    assert (cfg.optimized_metric, cfg.optimized_metric_mode) == ("val/dsm_loss", "max")
+    cfg = compose_train(["model=dkef", "+model.monitor=val/dsm_loss", "optimized_metric=test/fid"])
+    assert cfg.optimized_metric == "test/fid" and cfg.callbacks.model_checkpoint.monitor == "test/fid"

@@ -108,8 +108,11 @@ class DeqsmModule(L.LightningModule):
     net: torch.nn.Module
 
     def __init__(self, optimizer: Mapping | None = None, metrics: Mapping | None = None,
-                 evaluation: Mapping | None = None):
+                 evaluation: Mapping | None = None, monitor: str | None = None, monitor_mode: str | None = None):
+        """``monitor`` / ``monitor_mode``: the family's default ``optimized_metric`` (conf/train.yaml reads
+        them from the model config); the module itself only records them."""
         super().__init__()
+        self.monitor, self.monitor_mode = monitor, monitor_mode
         self.optimizer_cfg = dict(as_plain(optimizer) or {})
         self.evaluation_cfg = dict(as_plain(evaluation) or {})
         self.eval_metrics = build_metrics(as_plain(metrics))
