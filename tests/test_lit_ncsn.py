@@ -77,6 +77,21 @@ def test_sample_is_seeded_and_shaped(tmp_path, shared_data):
         lit_module(shared_data, tmp_path, ["loss=sm"])
 
 
+@pytest.mark.parametrize("deq,depth,arch,params", [("true", "null", "deq", 8_762_243),
+                                                    ("false", "1", "deq", 8_619_907),
+                                                    ("false", "null", "refinenet", 28_937_475)])
+def test_cifar10_experiment_is_the_papers_setting(tmp_path, deq, depth, arch, params):
+    cfg = compose_train(["experiment=ncsn_cifar10", f"deq={deq}", f"depth={depth}", f"model.arch={arch}",
+                         "logger=none"], tmp_path)
+    assert (cfg.model.ngf, cfg.data.batch_size, cfg.trainer.max_steps) == (128, 128, 200_000)
+    assert (cfg.model.optimizer.lr, cfg.model.optimizer.weight_decay, cfg.loss.name) == (1e-4, 1e-12, "ssm_vr")
+    assert cfg.model.sampling.step_lr == 2e-5 and cfg.model.sampling.n_steps_each == 100
+    assert cfg.optimized_metric == "val/dsm_loss"
+    module = build(cfg.model)
+    assert sum(p.numel() for p in module.parameters()) == params
+    assert module.net.sigmas.numel() == 10
+
+
 def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_path, shared_data):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "src.train", "model=ncsn", "data=mnist_images", "deq=true", "loss=ssm_vr",
@@ -84,7 +99,7 @@ def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_pa
            "model.ngf=4", "model.noise.num_classes=3", "model.sampling.n_steps_each=2",
            "model.metrics.fid.n_samples=8", "model.n_samples_grid=0", "trainer.max_steps=2",
            "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
-           "trainer.enable_progress_bar=false", "logger=none", f"hydra.run.dir={run}"]
+           "trainer.enable_progress_bar=false", "logger=none", "ema=true", f"hydra.run.dir={run}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
