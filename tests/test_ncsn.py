@@ -68,6 +68,11 @@ def test_shapes_and_output_scaling(shape, arch, deq, depth):
         assert len(net.middle.blocks) == depth
 
 
+def test_depth_with_a_deq_block_is_refused():
+    with pytest.raises(ValueError, match="depth=2 with deq=true"):
+        NCSN(1, SIGMAS, arch="deq", ngf=4, deq={"enabled": True}, depth=2)
+
+
 def test_parameter_counts_at_the_paper_cifar10_size():
     """Table 5: NCSN 28M, DEQ-NCSN 9M parameters at ngf = 128 on CIFAR-10 (≤ 0.35×)."""
     counts = {arch: count_parameters(NCSN(3, geometric_sigmas(), arch=arch, ngf=128, deq={"enabled": deq}))

@@ -229,7 +229,8 @@ class NCSN(nn.Module):
 
     ``sigmas`` (the L noise levels, σ₁ > … > σ_L) are a buffer of the network, so samplers and losses read
     them from the model. ``arch``: ``refinenet`` | ``deq``; ``deq`` (the config group, mapping) with
-    ``enabled`` true puts the DEQ-ResBlock in the ``deq`` architecture, else ``depth`` ResBlocks.
+    ``enabled`` true puts the DEQ-ResBlock in the ``deq`` architecture, else ``depth`` ResBlocks
+    (``refinenet`` has no DEQ and ignores ``deq`` and ``depth``).
     """
 
     def __init__(self, channels: int, sigmas: Sequence[float] | torch.Tensor, arch: str = "deq", ngf: int = 64,
@@ -255,6 +256,9 @@ class NCSN(nn.Module):
             self.refine = nn.ModuleList([RefineBlock([c2], c2, n), RefineBlock([c2, c2], c2, n),
                                          RefineBlock([c2, c2], c1, n), RefineBlock([c1, c1], c1, n, end=True)])
         else:
+            if self.deq_enabled and depth not in (None, 1):
+                raise ValueError(f"depth={depth} with deq=true: the DEQ-ResBlock's map has one residual branch "
+                                 "(depth 1); depth=k counts the plain ResBlocks standing in for it with deq=false")
             depth = 1 if depth is None else int(depth)
             if depth < 1:
                 raise ValueError(f"depth={depth}: the number of ResBlocks standing for the DEQ-ResBlock (>= 1)")
