@@ -5,12 +5,13 @@ Prop. 2) and warm start (§3.4) → :mod:`src.deq.block`; Prop. 1 / eqs. 8–9 (
 order) → :mod:`src.deq.implicit`; fixed-point solvers (App. B, F) → :mod:`src.deq.solvers`.
 """
 
-from src.deq.block import ConvDEQBlock, DenseDEQBlock, DEQBlock, ResidualDEQBlock
+from src.deq.block import ConditionalResidualDEQBlock, ConvDEQBlock, DenseDEQBlock, DEQBlock, ResidualDEQBlock
 from src.deq.config import DEQConfig
 from src.deq.normalization import frobenius_normalize
 from src.deq.solvers import SolverResult, solve
 
 __all__ = [
+           "ConditionalResidualDEQBlock",
            "ConvDEQBlock",
            "DEQBlock",
            "DEQConfig",

@@ -21,11 +21,12 @@ from torch import nn
 
 from src.deq.config import DEQConfig
 from src.deq.implicit import fixed_point
-from src.deq.maps import ConvMap, DenseMap, ResidualMap, dense_map
+from src.deq.maps import ConditionalResidualMap, ConvMap, DenseMap, ResidualMap, dense_map
 from src.deq.normalization import conv_lipschitz_factor, frobenius_normalize, spectral_normalize
 from src.deq.solvers import SolverResult, solve
 
-__all__ = ["ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "ResidualDEQBlock", "dense_map"]
+__all__ = ["ConditionalResidualDEQBlock", "ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "ResidualDEQBlock",
+           "dense_map"]
 
 _WARM_CACHE_SIZE = 8  # batch shapes remembered: train, last smaller batch, replicated (trace) batches, eval
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
@@ -35,7 +36,10 @@ class DEQBlock(nn.Module):
     """Base class: solve, backward mode, warm start and statistics. Subclasses define the map:
 
     - ``phi``: a picklable callable φ(z, *params) (see :mod:`src.deq.maps`);
-    - ``map_params(x)``: the tuple p, first the injection g(x) (its shape is the state's), built with autograd;
+    - ``map_params(x, *cond)``: the tuple p, first the injection g(x) (its shape is the state's), built with
+      autograd; ``cond`` are optional conditioning inputs (e.g. NCSN's noise-level labels) that a conditional
+      block turns into further map parameters, so the implicit backward and the phantom steps see them as
+      ordinary parameters of φ (blocks without conditioning take none);
     - ``state_shape(x)``: the shape of z.
 
     After each forward, ``last_stats = {"iterations", "residual" (max over samples, absolute ‖f(z) − z‖),
@@ -55,7 +59,7 @@ class DEQBlock(nn.Module):
         self._nonconverged = 0
 
     # subclasses -------------------------------------------------------------------------------
-    def map_params(self, x: torch.Tensor) -> tuple:
+    def map_params(self, x: torch.Tensor, *cond) -> tuple:
         raise NotImplementedError
 
     def state_shape(self, x: torch.Tensor) -> tuple:
@@ -94,19 +98,20 @@ class DEQBlock(nn.Module):
         return {"method": c.solver, "tol": float(c.tol), "max_iter": int(c.max_iter), "stop_mode": c.stop_mode,
                 "anderson_m": int(c.anderson_m), "anderson_beta": float(c.anderson_beta)}
 
-    def fixed_point_map(self, x: torch.Tensor):
+    def fixed_point_map(self, x: torch.Tensor, *cond):
         """z ↦ f(z; x) with the current weights, detached (for solver benchmarks and analysis)."""
-        params = tuple(p.detach() for p in self.map_params(x))
+        params = tuple(p.detach() for p in self.map_params(x, *cond))
         phi = self.phi
         return lambda z: phi(z, *params)
 
-    def unroll(self, x: torch.Tensor, steps: int, z0: torch.Tensor | None = None) -> torch.Tensor:
+    def unroll(self, x: torch.Tensor, steps: int, z0: torch.Tensor | None = None, cond: tuple = ()) -> torch.Tensor:
         """``steps`` plain iterations of f from z0 (zeros) with autograd through all of them.
 
         The reference the phantom and implicit derivatives are judged against (App. C): exact in the limit,
         at memory proportional to ``steps``. Ignores the solver, the warm start and ``config.backward``.
+        ``cond``: the conditioning inputs of a conditional block.
         """
-        params = self.map_params(x)
+        params = self.map_params(x, *cond)
         z = torch.zeros(self.state_shape(x), device=x.device, dtype=params[0].dtype) if z0 is None else z0
         for _ in range(int(steps)):
             z = self.phi(z, *params)
@@ -143,16 +148,40 @@ class DEQBlock(nn.Module):
                 stacklevel=2,
             )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """z*(x), shaped ``state_shape(x)``; differentiable w.r.t. x (every order) and the parameters."""
+    def forward(self, x: torch.Tensor, *cond) -> torch.Tensor:
+        """z*(x), shaped ``state_shape(x)``; differentiable w.r.t. x (every order) and the parameters.
+        ``cond``: conditioning inputs of a conditional block (passed to ``map_params``)."""
         if torch.is_autocast_enabled(x.device.type):
             # under bf16/fp16 autocast the solver residual stalls at 1e-2…1e-3 (docs/deq.md §8): solve in fp32
             with torch.autocast(device_type=x.device.type, enabled=False):
-                return self._forward(x.float() if x.dtype in _LOW_PRECISION else x)
-        return self._forward(x)
+                return self._forward(x.float() if x.dtype in _LOW_PRECISION else x, *cond)
+        return self._forward(x, *cond)
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        params = self.map_params(x)
+    def contraction_rate(self, x: torch.Tensor, *cond, iters: int = 30) -> float:
+        """‖∂f/∂z‖₂ at the fixed point, by power iteration on JᵀJ (detached weights, whole batch as one
+        operator = the max over samples): the rate at which the learned map contracts (< 1 for a solve)."""
+        phi = self.fixed_point_map(x, *cond)
+        with torch.no_grad():
+            z = solve(phi, self._initial(x, self.map_params(x, *cond)[0].detach()), **self._solver_kwargs()).z
+        gen = torch.Generator(device="cpu").manual_seed(0)
+        v = torch.randn(z.shape, generator=gen, dtype=z.dtype).to(z.device)
+        rate = 0.0
+        for _ in range(int(iters)):
+            v = v / v.norm()
+            with torch.enable_grad():
+                zz = z.detach().requires_grad_(True)
+                out = phi(zz)
+                # J v by the double-VJP trick: u ↦ Jᵀu is linear, its VJP with v is J v
+                u = torch.zeros_like(out, requires_grad=True)
+                (jtu,) = torch.autograd.grad(out, zz, u, create_graph=True)
+                (jv,) = torch.autograd.grad(jtu, u, v)
+                (jtjv,) = torch.autograd.grad(out, zz, jv)
+            rate = float(jv.norm())
+            v = jtjv
+        return rate
+
+    def _forward(self, x: torch.Tensor, *cond) -> torch.Tensor:
+        params = self.map_params(x, *cond)
         z0 = self._initial(x, params[0])
         phi, cfg = self.phi, self.config
         if cfg.backward == "implicit":
@@ -283,4 +312,37 @@ class ResidualDEQBlock(DEQBlock):
     def map_params(self, x):
         lam, safe = self.config.norm_lambda, self.lipschitz_safe
         return (self.injection(x), _conv_normalize(self.kernel1, lam, safe), self.bias1,
+                _conv_normalize(self.kernel2, lam, safe))
+
+
+class ConditionalResidualDEQBlock(ResidualDEQBlock):
+    """:class:`ResidualDEQBlock` conditioned on a class label per sample (NCSN's noise level, App. D.4, Table 9):
+
+        f(z; y, i) = h(z; i) + g(y),  h(z; i) = conv(s_i ⊙ Softplus(conv(z, K₁) + b₁ + β_i), K₂)
+
+    β_i, s_i = 2·sigmoid(a_i) ∈ (0, 2) per channel are embeddings of the label i (``n_classes`` of them;
+    a = 0 at initialisation, so s = 1). They are computed from the labels *outside* the solver and enter φ
+    as map parameters ``[B, C]`` (:class:`src.deq.maps.ConditionalResidualMap`), so the implicit backward
+    stays exact and the phantom gradient is Alg. 1 for them too. A per-channel shift does not change the
+    Lipschitz constant and the scale is at most 2, so f contracts at rate ≤ 2·λ^(−2) (0.5 at λ = 2) with the
+    Lipschitz-safe kernels. Call ``block(y, labels)``."""
+
+    def __init__(self, in_channels: int, channels: int, n_classes: int, kernel_size: int = 3,
+                 injection: nn.Module | None = None, config: DEQConfig | None = None, name: str = "deq",
+                 lipschitz_safe: bool = True):
+        super().__init__(in_channels, channels, kernel_size, injection, config, name, lipschitz_safe)
+        self.n_classes = int(n_classes)
+        self.shift = nn.Embedding(self.n_classes, channels)
+        self.scale_logit = nn.Embedding(self.n_classes, channels)
+        nn.init.zeros_(self.shift.weight)
+        nn.init.zeros_(self.scale_logit.weight)
+        self.phi = ConditionalResidualMap(kernel_size // 2)
+
+    def map_params(self, x, labels=None):
+        if labels is None:
+            raise ValueError(f"DEQ block '{self.name}' is conditional: call it as block(x, labels)")
+        lam, safe = self.config.norm_lambda, self.lipschitz_safe
+        shift = self.bias1[None, :] + self.shift(labels)
+        scale = 2.0 * torch.sigmoid(self.scale_logit(labels))
+        return (self.injection(x), _conv_normalize(self.kernel1, lam, safe), shift.to(x.dtype), scale.to(x.dtype),
                 _conv_normalize(self.kernel2, lam, safe))

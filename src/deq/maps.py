@@ -71,3 +71,16 @@ class ResidualMap:
     def __call__(self, z, inj, k1, b1, k2):
         h = F.softplus(F.conv2d(z, k1, padding=self.padding) + b1[None, :, None, None])
         return F.conv2d(h, k2, padding=self.padding) + inj
+
+
+class ConditionalResidualMap:
+    """:class:`ResidualMap` conditioned per sample: φ(z) = conv(s ⊙ σ(conv(z, K₁) + β), K₂) + g(y), β and s
+    ``[B, C]`` (NCSN's noise-level conditioning, computed outside the solver; App. D.4). Lipschitz in z
+    ≤ max|s| · ‖K₁‖ · ‖K₂‖, so a bounded scale keeps the contraction."""
+
+    def __init__(self, padding: int):
+        self.padding = padding
+
+    def __call__(self, z, inj, k1, shift, scale, k2):
+        h = F.softplus(F.conv2d(z, k1, padding=self.padding) + shift[:, :, None, None])
+        return F.conv2d(h * scale[:, :, None, None], k2, padding=self.padding) + inj

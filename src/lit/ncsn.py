@@ -1,0 +1,146 @@
+"""LightningModule for noise-conditional score networks (NCSN) with a DEQ residual block (paper §4.4, App. D.4).
+
+Training (automatic optimisation): each sample draws a noise level i uniformly from σ₁ > … > σ_L (geometric,
+held by the network as a buffer), is perturbed to x̃ = x + σᵢε, and the configured objective (``loss=ssm_vr``,
+the paper's, or ``loss=dsm``) is applied to s(·, i), σᵢ²-weighted (:func:`src.objectives.conditional.
+noise_conditional`, NCSN's ``anneal_power`` 2).
+
+Validation: the σ²-weighted DSM loss with seeded noise and levels (``val/dsm_loss``, what checkpoints
+monitor). Test: the ``noise_conditional`` metric (σ²-weighted DSM and SSM-VR losses per level and overall),
+``fid`` (samples from :meth:`NCSNLitModule.sample`, EMA weights when EMA is on), and for a DEQ network
+``test/deq_contraction_rate`` (‖∂f/∂z‖₂ at the fixed point, one test image per noise level) and
+``test/deq_forward_iterations``. Samples: annealed Langevin dynamics (:mod:`src.sampling`) from uniform
+noise; ``samples.png`` at the end of the test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from src.lit.base import DeqsmModule, as_plain, batch_tensor
+from src.models.ncsn import NCSN, geometric_sigmas
+from src.objectives.conditional import noise_conditional
+from src.objectives.registry import get_objective
+from src.sampling import annealed_langevin
+
+TRAIN_LOSSES = ("dsm", "ssm_vr", "ssm")
+SAMPLING_DEFAULTS = {"n_steps_each": 100, "step_lr": 2e-5, "denoise": False}
+
+
+class NCSNLitModule(DeqsmModule):
+    def __init__(
+        self,
+        data_shape: Sequence[int],
+        loss: Mapping,
+        deq: Mapping | None = None,
+        depth: int | None = None,
+        arch: str = "deq",
+        ngf: int = 64,
+        pixel_range: str = "unit",
+        noise: Mapping | None = None,
+        anneal_power: float = 2.0,
+        sampling: Mapping | None = None,
+        n_samples_grid: int = 64,
+        val_seed: int = 0,
+        optimizer: Mapping | None = None,
+        evaluation: Mapping | None = None,
+        metrics: Mapping | None = None,
+    ):
+        loss, deq, noise, sampling, optimizer, evaluation, metrics = (
+            as_plain(c) for c in (loss, deq, noise, sampling, optimizer, evaluation, metrics))
+        super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation)
+        self.save_hyperparameters()
+        loss = dict(loss or {"name": "ssm_vr"})
+        self.loss_name = str(loss.pop("name"))
+        if self.loss_name not in TRAIN_LOSSES:
+            raise ValueError(f"model=ncsn trains with loss={'|'.join(TRAIN_LOSSES)} (noise-conditional); got "
+                             f"loss={self.loss_name}")
+        loss.pop("sigma", None)  # dsm: every sample's own noise level replaces the fixed sigma
+        self.objective = get_objective(self.loss_name, **loss)
+        self.anneal_power = float(anneal_power)
+        noise = {"sigma_begin": 1.0, "sigma_end": 0.01, "num_classes": 10, **(noise or {})}
+        sigmas = geometric_sigmas(float(noise["sigma_begin"]), float(noise["sigma_end"]), int(noise["num_classes"]))
+        if pixel_range not in ("unit", "symmetric"):
+            raise ValueError(f"pixel_range={pixel_range!r}: unit | symmetric")
+        self.pixel_range = pixel_range
+        self.data_shape = tuple(int(s) for s in data_shape)
+        self.net = NCSN(self.data_shape[0], sigmas, arch=arch, ngf=ngf, deq=deq, depth=depth,
+                        centered_input=pixel_range == "unit")
+        unknown = set(sampling or {}) - set(SAMPLING_DEFAULTS)
+        if unknown:
+            raise ValueError(f"model.sampling: unknown key(s) {sorted(unknown)}; valid: {', '.join(SAMPLING_DEFAULTS)}")
+        self.sampling = {**SAMPLING_DEFAULTS, **(sampling or {})}
+        self.n_samples_grid, self.val_seed = int(n_samples_grid), int(val_seed)
+
+    @property
+    def noise_levels(self) -> torch.Tensor:
+        return self.net.sigmas
+
+    # ------------------------------------------------------------------ training and validation
+    def training_step(self, batch, batch_idx):
+        x = batch_tensor(batch)
+        out = noise_conditional(self.objective, self.net, x, self.net.sigmas, anneal_power=self.anneal_power)
+        self.check_finite(out.loss, f"training (loss={self.loss_name})")
+        self.log("train/loss", out.loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
+        for name, value in out.parts.items():
+            self.log(f"train/{name}", value, on_step=False, on_epoch=True, batch_size=x.shape[0])
+        return out.loss
+
+    def validation_step(self, batch, batch_idx):
+        super().validation_step(batch, batch_idx)
+        x = self.model_tensor(batch_tensor(batch))
+        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
+            torch.manual_seed(self.val_seed + 7919 * batch_idx)  # the same levels and noise every epoch
+            with torch.enable_grad():
+                out = noise_conditional(get_objective("dsm"), self.eval_model(), x, self.net.sigmas,
+                                        anneal_power=self.anneal_power, create_graph=False)
+        self.log("val/dsm_loss", out.loss.detach(), prog_bar=True, on_epoch=True, batch_size=x.shape[0])
+
+    # ------------------------------------------------------------------ test extras
+    def deq_diagnostics(self, n: int = 64) -> dict[str, float]:
+        """Contraction rate of the learned DEQ map and forward solver iterations, on test images perturbed at
+        every noise level (image j at level j mod L)."""
+        block = self.net.deq_block()
+        if block is None:
+            return {}
+        x = self.split_tensor("test", n)
+        L = self.net.sigmas.numel()
+        labels = torch.arange(x.shape[0], device=x.device) % L
+        g = torch.Generator(device="cpu").manual_seed(self.val_seed)
+        eps = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
+        xt = x + self.net.sigmas.to(x.dtype)[labels].reshape(-1, *([1] * (x.dim() - 1))) * eps
+        with torch.no_grad():
+            y = self.net.deq_input(xt, labels)
+            block(y, labels)
+            iterations = block.last_stats["iterations"]
+        return {"test/deq_contraction_rate": block.contraction_rate(y, labels),
+                "test/deq_forward_iterations": float(iterations)}
+
+    def on_test_epoch_end(self):
+        super().on_test_epoch_end()
+        extra = self.deq_diagnostics()
+        for key, value in extra.items():
+            self.log(key, value)
+        self.test_results.update(extra)
+
+    def on_test_end(self) -> None:
+        if self.trainer.is_global_zero and self.n_samples_grid > 0:
+            self.save_sample_grid(self.n_samples_grid)
+
+    # ------------------------------------------------------------------ samples
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Annealed Langevin dynamics (``model.sampling``) from uniform noise on the pixel range."""
+        x0 = torch.rand((n, *self.data_shape), generator=generator, device=self.device, dtype=self.dtype)
+        if self.pixel_range == "symmetric":
+            x0 = 2 * x0 - 1
+        was_training = self.net.training
+        self.net.eval()
+        try:
+            return annealed_langevin(self.net.score, x0, self.net.sigmas.to(self.dtype),
+                                     n_steps_each=int(self.sampling["n_steps_each"]),
+                                     step_lr=float(self.sampling["step_lr"]), denoise=bool(self.sampling["denoise"]),
+                                     generator=generator)
+        finally:
+            self.net.train(was_training)

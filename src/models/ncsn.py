@@ -1,0 +1,315 @@
+"""Noise-conditional score networks (NCSN; Song & Ermon 2019) from one set of parts, paper §4.4, App. D.4.
+
+Parts (all conditioned on the noise-level label i ∈ {0, …, L−1} through conditional instance norm++):
+
+- :class:`ConditionalInstanceNorm2dPlus` (CIN++): per channel, with μ_c, s_c the spatial mean and standard
+  deviation of channel c and m, v the mean and (unbiased) variance of the μ_c across channels,
+  ``out = γ_i,c · ((x − μ_c)/s_c + α_i,c · (μ_c − m)/√(v + ε)) + β_i,c``;
+- :class:`ResBlock`: CIN++ → ELU → conv3×3 → CIN++ → ELU → conv3×3 (+ shortcut), optional down-sampling
+  (the second conv and a 1×1 shortcut conv followed by 2×2 mean pooling) or dilation;
+- :class:`RefineBlock`: NCSN's conditional RefineNet block, RCU (2 residual conv units per input) → MSF
+  (multi-resolution fusion: conv3×3 per input, up-sampled to the largest, summed) → CRP (chained residual
+  pooling, 2 stages) → output RCU (3 units in the last block, else 1).
+
+Architectures (``arch``), each mapping ``(x, labels) → s(x, i)`` with NCSN's output scaling ``/ σ_i``
+(the network predicts σ_i·s, so one network serves every level), inputs centred 2x − 1:
+
+- ``refinenet`` — Table 8a, the NCSN baseline: conv3×3 → ResBlocks (ngf, ngf), (ngf → 2ngf down, 2ngf),
+  (2ngf dilation 2)×2, (2ngf dilation 4)×2 → 4 cascaded RefineBlocks → CIN++ → ELU → conv3×3;
+- ``deq`` — Tables 8b/9: conv3×3 → ResBlock → **DEQ-ResBlock** → ResBlock → ResBlock down (ngf → 2ngf)
+  → ResBlock → 2 RefineBlocks (2ngf → ngf, then ngf with the skip from before the down-sampling) → CIN++ →
+  ELU → conv3×3. With ``deq=True`` the DEQ-ResBlock is a
+  :class:`src.deq.block.ConditionalResidualDEQBlock`, f(z; y, i) = h(z; i) + g(y) with g a linear conv of
+  the previous ResBlock's output (added after h's nonlinearity: no double squash, see
+  :mod:`src.models.deq_net`) and the noise level entering h as map parameters; with ``deq=False`` it is
+  ``depth`` plain ResBlocks (``depth=1``: the paper's TwoRes NCSN).
+
+At ngf = 128 on CIFAR-10 the paper lists 28M parameters for NCSN and 9M for DEQ-NCSN (Table 5);
+:func:`count_parameters` gives ours (tests/test_ncsn.py checks the ratio).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ARCHS = ("refinenet", "deq")
+
+
+def geometric_sigmas(sigma_begin: float = 1.0, sigma_end: float = 0.01, num_classes: int = 10) -> torch.Tensor:
+    """σ₁ > … > σ_L, geometric from ``sigma_begin`` to ``sigma_end`` (NCSN's noise levels; L = ``num_classes``)."""
+    if not (sigma_begin > sigma_end > 0) or int(num_classes) < 1:
+        raise ValueError(f"noise levels need sigma_begin > sigma_end > 0 and num_classes >= 1, got "
+                         f"{sigma_begin}, {sigma_end}, {num_classes}")
+    if int(num_classes) == 1:
+        return torch.tensor([float(sigma_begin)], dtype=torch.float64)
+    return torch.exp(torch.linspace(math.log(sigma_begin), math.log(sigma_end), int(num_classes),
+                                    dtype=torch.float64))
+
+
+class ConditionalInstanceNorm2dPlus(nn.Module):
+    """CIN++ (NCSN): instance norm plus the normalised channel-means term, γ/α/β embedded per label.
+
+    Initialisation as NCSN: γ, α ~ N(1, 0.02²), β = 0 (``bias=False`` drops β).
+    """
+
+    def __init__(self, num_features: int, num_classes: int, bias: bool = True, eps: float = 1e-5):
+        super().__init__()
+        self.num_features, self.bias, self.eps = int(num_features), bool(bias), float(eps)
+        self.embed = nn.Embedding(int(num_classes), self.num_features * (3 if bias else 2))
+        with torch.no_grad():
+            self.embed.weight[:, : 2 * self.num_features].normal_(1.0, 0.02)
+            self.embed.weight[:, 2 * self.num_features:].zero_()
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        means = x.mean(dim=(2, 3))                                   # μ_c  [B, C]
+        m = means.mean(dim=-1, keepdim=True)
+        v = means.var(dim=-1, keepdim=True)                          # unbiased, as torch.var in NCSN
+        means = (means - m) / torch.sqrt(v + self.eps)
+        h = F.instance_norm(x, eps=self.eps)
+        emb = self.embed(labels).to(x.dtype)
+        if self.bias:
+            gamma, alpha, beta = emb.chunk(3, dim=-1)
+        else:
+            (gamma, alpha), beta = emb.chunk(2, dim=-1), None
+        h = h + means[..., None, None] * alpha[..., None, None]
+        out = gamma[..., None, None] * h
+        return out + beta[..., None, None] if beta is not None else out
+
+
+def conv3x3(cin: int, cout: int, bias: bool = True, dilation: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(cin, cout, 3, padding=dilation, dilation=dilation, bias=bias)
+
+
+class ConvMeanPool(nn.Module):
+    """conv (same padding) followed by 2×2 mean pooling (NCSN's down-sampling; odd sizes floor)."""
+
+    def __init__(self, cin: int, cout: int, kernel_size: int = 3):
+        super().__init__()
+        self.conv = nn.Conv2d(cin, cout, kernel_size, padding=kernel_size // 2)
+
+    def forward(self, x):
+        return F.avg_pool2d(self.conv(x), 2)
+
+
+class ResBlock(nn.Module):
+    """NCSN's ConditionalResidualBlock: CIN++ → ELU → conv → CIN++ → ELU → conv, plus the shortcut
+    (identity, or a conv when the width changes / the block down-samples). ``resample="down"`` halves the
+    resolution (ConvMeanPool for the second conv and the 1×1 shortcut); ``dilation`` > 1 dilates both convs."""
+
+    def __init__(self, cin: int, cout: int, num_classes: int, resample: str | None = None, dilation: int = 1):
+        super().__init__()
+        if resample not in (None, "down"):
+            raise ValueError(f"resample={resample!r}: None or 'down'")
+        self.norm1 = ConditionalInstanceNorm2dPlus(cin, num_classes)
+        self.norm2 = ConditionalInstanceNorm2dPlus(cin, num_classes)
+        self.conv1 = conv3x3(cin, cin, dilation=dilation)
+        if resample == "down":
+            self.conv2: nn.Module = ConvMeanPool(cin, cout, 3)
+            self.shortcut: nn.Module | None = ConvMeanPool(cin, cout, 1)
+        else:
+            self.conv2 = conv3x3(cin, cout, dilation=dilation)
+            self.shortcut = None if cin == cout else nn.Conv2d(cin, cout, 1)
+
+    def forward(self, x, labels):
+        h = self.conv1(F.elu(self.norm1(x, labels)))
+        h = self.conv2(F.elu(self.norm2(h, labels)))
+        return h + (x if self.shortcut is None else self.shortcut(x))
+
+
+class RCUBlock(nn.Module):
+    """Residual conv units: ``n_blocks`` × (``n_stages`` × (CIN++ → ELU → conv3×3 no bias) + identity)."""
+
+    def __init__(self, features: int, n_blocks: int, n_stages: int, num_classes: int):
+        super().__init__()
+        self.n_blocks, self.n_stages = int(n_blocks), int(n_stages)
+        self.norms = nn.ModuleList(ConditionalInstanceNorm2dPlus(features, num_classes)
+                                   for _ in range(self.n_blocks * self.n_stages))
+        self.convs = nn.ModuleList(conv3x3(features, features, bias=False)
+                                   for _ in range(self.n_blocks * self.n_stages))
+
+    def forward(self, x, labels):
+        k = 0
+        for _ in range(self.n_blocks):
+            residual = x
+            for _ in range(self.n_stages):
+                x = self.convs[k](F.elu(self.norms[k](x, labels)))
+                k += 1
+            x = x + residual
+        return x
+
+
+class MSFBlock(nn.Module):
+    """Multi-resolution fusion: CIN++ → conv3×3 per input, bilinear up-sampling to ``shape``, sum."""
+
+    def __init__(self, in_planes: Sequence[int], features: int, num_classes: int):
+        super().__init__()
+        self.norms = nn.ModuleList(ConditionalInstanceNorm2dPlus(c, num_classes) for c in in_planes)
+        self.convs = nn.ModuleList(conv3x3(c, features) for c in in_planes)
+
+    def forward(self, xs, labels, shape):
+        out = 0
+        for x, norm, conv in zip(xs, self.norms, self.convs):
+            h = conv(norm(x, labels))
+            out = out + F.interpolate(h, size=shape, mode="bilinear", align_corners=True)
+        return out
+
+
+class CRPBlock(nn.Module):
+    """Chained residual pooling: ELU, then ``n_stages`` × (CIN++ → 5×5 mean pool → conv3×3 no bias), each
+    added to the running sum."""
+
+    def __init__(self, features: int, n_stages: int, num_classes: int):
+        super().__init__()
+        self.norms = nn.ModuleList(ConditionalInstanceNorm2dPlus(features, num_classes) for _ in range(n_stages))
+        self.convs = nn.ModuleList(conv3x3(features, features, bias=False) for _ in range(n_stages))
+
+    def forward(self, x, labels):
+        x = F.elu(x)
+        path = x
+        for norm, conv in zip(self.norms, self.convs):
+            path = conv(F.avg_pool2d(norm(path, labels), 5, stride=1, padding=2))
+            x = path + x
+        return x
+
+
+class RefineBlock(nn.Module):
+    """NCSN's conditional RefineNet block: RCU per input → MSF (several inputs, or one of another width) → CRP →
+    output RCU."""
+
+    def __init__(self, in_planes: Sequence[int], features: int, num_classes: int, end: bool = False):
+        super().__init__()
+        self.adapt = nn.ModuleList(RCUBlock(c, 2, 2, num_classes) for c in in_planes)
+        fuse = len(in_planes) > 1 or in_planes[0] != features  # one input of another width: MSF's conv adapts it
+        self.msf = MSFBlock(in_planes, features, num_classes) if fuse else None
+        self.crp = CRPBlock(features, 2, num_classes)
+        self.output = RCUBlock(features, 3 if end else 1, 2, num_classes)
+
+    def forward(self, xs, labels, shape):
+        hs = [adapt(x, labels) for adapt, x in zip(self.adapt, xs)]
+        h = self.msf(hs, labels, shape) if self.msf is not None else hs[0]
+        return self.output(self.crp(h, labels), labels)
+
+
+class ResidualStack(nn.Module):
+    """``depth`` plain ResBlocks (width kept): what stands where the DEQ-ResBlock stands when deq=False."""
+
+    def __init__(self, channels: int, num_classes: int, depth: int):
+        super().__init__()
+        self.blocks = nn.ModuleList(ResBlock(channels, channels, num_classes) for _ in range(int(depth)))
+
+    def forward(self, x, labels):
+        for b in self.blocks:
+            x = b(x, labels)
+        return x
+
+
+class DEQResBlock(nn.Module):
+    """The DEQ-ResBlock (Table 9): z* = h(z*; i) + g(y), g a conv3×3 of the input y (linear: one squash)."""
+
+    def __init__(self, channels: int, num_classes: int, deq: Any = None, name: str = "ncsn.deq"):
+        super().__init__()
+        from src.deq.block import ConditionalResidualDEQBlock
+        from src.models.deq_net import deq_settings
+
+        config, _ = deq_settings(deq)
+        self.block = ConditionalResidualDEQBlock(channels, channels, num_classes, 3, config=config, name=name)
+
+    def forward(self, y, labels):
+        return self.block(y, labels)
+
+
+class NCSN(nn.Module):
+    """Noise-conditional score network ``score(x, labels)`` = net(2x − 1, labels) / σ_labels (see module doc).
+
+    ``sigmas`` (the L noise levels, σ₁ > … > σ_L) are a buffer of the network, so samplers and losses read
+    them from the model. ``arch``: ``refinenet`` | ``deq``; ``deq`` (the config group, mapping) with
+    ``enabled`` true puts the DEQ-ResBlock in the ``deq`` architecture, else ``depth`` ResBlocks
+    (``refinenet`` has no DEQ and ignores ``deq`` and ``depth``).
+    """
+
+    def __init__(self, channels: int, sigmas: Sequence[float] | torch.Tensor, arch: str = "deq", ngf: int = 64,
+                 deq: Mapping | None = None, depth: int | None = None, centered_input: bool = True):
+        super().__init__()
+        if arch not in ARCHS:
+            raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
+        sig = torch.as_tensor(sigmas, dtype=torch.float64).reshape(-1)
+        if sig.numel() < 1 or bool((sig <= 0).any()):
+            raise ValueError("NCSN needs at least one positive noise level")
+        self.register_buffer("sigmas", sig.float())
+        n, self.arch, self.ngf, self.centered_input = sig.numel(), arch, int(ngf), bool(centered_input)
+        self.num_classes = n
+        deq = dict(deq or {})
+        self.deq_enabled = bool(deq.get("enabled", False)) and arch == "deq"
+        c1, c2 = self.ngf, 2 * self.ngf
+        self.begin = conv3x3(channels, c1)
+        if arch == "refinenet":
+            self.res1 = nn.ModuleList([ResBlock(c1, c1, n), ResBlock(c1, c1, n)])
+            self.res2 = nn.ModuleList([ResBlock(c1, c2, n, resample="down"), ResBlock(c2, c2, n)])
+            self.res3 = nn.ModuleList([ResBlock(c2, c2, n, dilation=2), ResBlock(c2, c2, n, dilation=2)])
+            self.res4 = nn.ModuleList([ResBlock(c2, c2, n, dilation=4), ResBlock(c2, c2, n, dilation=4)])
+            self.refine = nn.ModuleList([RefineBlock([c2], c2, n), RefineBlock([c2, c2], c2, n),
+                                         RefineBlock([c2, c2], c1, n), RefineBlock([c1, c1], c1, n, end=True)])
+        else:
+            if self.deq_enabled and depth not in (None, 1):
+                raise ValueError(f"depth={depth} with deq=true: the DEQ-ResBlock's map has one residual branch "
+                                 "(depth 1); depth=k counts the plain ResBlocks standing in for it with deq=false")
+            depth = 1 if depth is None else int(depth)
+            if depth < 1:
+                raise ValueError(f"depth={depth}: the number of ResBlocks standing for the DEQ-ResBlock (>= 1)")
+            self.depth = depth
+            self.res_in = ResBlock(c1, c1, n)
+            self.middle = DEQResBlock(c1, n, deq) if self.deq_enabled else ResidualStack(c1, n, depth)
+            self.res_out = ResBlock(c1, c1, n)
+            self.down = nn.ModuleList([ResBlock(c1, c2, n, resample="down"), ResBlock(c2, c2, n)])
+            # the low-resolution RefineBlock outputs ngf (as NCSN's third block does): ≈ 8M parameters at ngf 128
+            self.refine = nn.ModuleList([RefineBlock([c2], c1, n), RefineBlock([c1, c1], c1, n, end=True)])
+        self.end_norm = ConditionalInstanceNorm2dPlus(c1, n)
+        self.end = conv3x3(c1, channels)
+
+    def features(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The network before the 1/σ scaling: σ_i · s(x, i)."""
+        h = self.begin(2 * x - 1 if self.centered_input else x)
+        if self.arch == "refinenet":
+            outs = []
+            for stage in (self.res1, self.res2, self.res3, self.res4):
+                for block in stage:
+                    h = block(h, labels)
+                outs.append(h)
+            l1, l2, l3, l4 = outs
+            r = self.refine[0]([l4], labels, l4.shape[2:])
+            r = self.refine[1]([l3, r], labels, l3.shape[2:])
+            r = self.refine[2]([l2, r], labels, l2.shape[2:])
+            r = self.refine[3]([l1, r], labels, l1.shape[2:])
+        else:
+            h = self.res_out(self.middle(self.res_in(h, labels), labels), labels)
+            l1 = h
+            for block in self.down:
+                h = block(h, labels)
+            r = self.refine[0]([h], labels, h.shape[2:])
+            r = self.refine[1]([l1, r], labels, l1.shape[2:])
+        return self.end(F.elu(self.end_norm(r, labels)))
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        sigma = self.sigmas.to(x.dtype)[labels].reshape(-1, *([1] * (x.dim() - 1)))
+        return self.features(x, labels) / sigma
+
+    def score(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return self(x, labels)
+
+    def deq_block(self):
+        """The DEQ block (None unless arch=deq with deq=true)."""
+        return self.middle.block if self.deq_enabled else None
+
+    def deq_input(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The DEQ block's input y (the output of the ResBlock before it), for contraction-rate estimates."""
+        return self.res_in(self.begin(2 * x - 1 if self.centered_input else x), labels)
+
+
+def count_parameters(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())

@@ -1,0 +1,119 @@
+"""NCSN through Lightning and the command line (paper §4.4): every architecture × loss × deq trains through
+``fast_dev_run`` and is tested (noise-conditional losses, FID, DEQ diagnostics); the loss plumbing against
+closed forms; ``python -m src.train model=ncsn … `` then ``python -m src.sample`` on its checkpoint."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from src.train import build, train
+from tests.conftest import REPO_ROOT, compose_train
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TINY = ["logger=none", "callbacks=minimal", "model=ncsn", "data=mnist_images", "data.limit=200",
+        "data.batch_size=8", "data.eval_batch_size=16", "model.ngf=4", "model.noise.num_classes=3",
+        "model.sampling.n_steps_each=2", "model.metrics.fid.n_samples=8", "model.n_samples_grid=4",
+        "trainer.fast_dev_run=true"]
+
+
+@pytest.mark.parametrize("loss", ["dsm", "ssm_vr"])
+@pytest.mark.parametrize("arch", ["refinenet", "deq-true", "deq-false"])
+def test_fast_dev_run_every_arch_loss_and_deq(tmp_path, shared_data, arch, loss):
+    name, _, deq = arch.partition("-")
+    extra = [f"deq={deq or 'false'}"] + (["depth=1"] if deq == "false" else [])
+    cfg = compose_train([*TINY, f"data.root={shared_data}", f"model.arch={name}", f"loss={loss}", *extra], tmp_path)
+    train(cfg)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    for key in ("test/dsm_loss", "test/ssm_vr_loss", "test/dsm_loss/sigma_2", "test/fid", "train/loss"):
+        assert math.isfinite(saved[key]), key
+    # σ²-weighted DSM of an untrained net: about D/2 = 392 per sample at every level (s ≈ 0) and more
+    assert 100 < saved["test/dsm_loss"] < 1e5
+    assert saved["test/fid"] > 0
+    assert (tmp_path / "samples.png").stat().st_size > 100
+    if arch == "deq-true":
+        assert saved["profile/deq_iterations_mean"] >= 1
+        assert 0 < saved["test/deq_contraction_rate"] < 2 / cfg.deq.norm_lambda**2  # the map's bound
+        assert saved["test/deq_forward_iterations"] >= 1
+    else:
+        assert "test/deq_contraction_rate" not in saved
+
+
+def lit_module(shared_data, tmp_path, overrides):
+    cfg = compose_train([*TINY, f"data.root={shared_data}", *overrides], tmp_path)
+    return build(cfg.model)  # a user error in the module's arguments is raised as itself
+
+
+def test_noise_conditional_training_loss_closed_forms(tmp_path, shared_data):
+    """With the last conv zeroed, s ≡ 0: the σ²-weighted DSM loss is ½‖ε‖² per sample (mean D/2 = 392,
+    std √(D/2) = 19.8 per sample, so within 25 of 392 for 64 samples at 8 standard errors) and SSM-VR is 0."""
+    torch.manual_seed(0)
+    x = torch.rand(64, 1, 28, 28)
+    for loss, lo, hi in (("dsm", 392 - 25, 392 + 25), ("ssm_vr", -1e-12, 1e-12)):
+        module = lit_module(shared_data, tmp_path, [f"loss={loss}", "deq=true"])
+        with torch.no_grad():
+            module.net.end.weight.zero_()
+            module.net.end.bias.zero_()
+        value = module.training_step(x, 0).item()
+        assert lo <= value <= hi, (loss, value)
+    assert module.noise_levels.shape == (3,)
+    assert module.noise_levels[0].item() == pytest.approx(1.0) and module.noise_levels[-1].item() == pytest.approx(0.01)
+
+
+def test_sample_is_seeded_and_shaped(tmp_path, shared_data):
+    module = lit_module(shared_data, tmp_path, ["deq=true", "loss=dsm"])
+    a = module.sample(3, torch.Generator().manual_seed(1))
+    b = module.sample(3, torch.Generator().manual_seed(1))
+    assert a.shape == (3, 1, 28, 28) and torch.isfinite(a).all()
+    assert torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match="loss=dsm"):
+        lit_module(shared_data, tmp_path, ["loss=sm"])
+
+
+@pytest.mark.parametrize("deq,depth,arch,params", [("true", "null", "deq", 8_762_243),
+                                                    ("false", "1", "deq", 8_619_907),
+                                                    ("false", "null", "refinenet", 28_937_475)])
+def test_cifar10_experiment_is_the_papers_setting(tmp_path, deq, depth, arch, params):
+    cfg = compose_train(["experiment=ncsn_cifar10", f"deq={deq}", f"depth={depth}", f"model.arch={arch}",
+                         "logger=none"], tmp_path)
+    assert (cfg.model.ngf, cfg.data.batch_size, cfg.trainer.max_steps) == (128, 128, 200_000)
+    assert (cfg.model.optimizer.lr, cfg.model.optimizer.weight_decay, cfg.loss.name) == (1e-4, 1e-12, "ssm_vr")
+    assert cfg.model.sampling.step_lr == 2e-5 and cfg.model.sampling.n_steps_each == 100
+    assert cfg.optimized_metric == "val/dsm_loss"
+    module = build(cfg.model)
+    assert sum(p.numel() for p in module.parameters()) == params
+    assert module.net.sigmas.numel() == 10
+
+
+def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_path, shared_data):
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "src.train", "model=ncsn", "data=mnist_images", "deq=true", "loss=ssm_vr",
+           f"data.root={shared_data}", "data.limit=200", "data.batch_size=8", "data.eval_batch_size=16",
+           "model.ngf=4", "model.noise.num_classes=3", "model.sampling.n_steps_each=2",
+           "model.metrics.fid.n_samples=8", "model.n_samples_grid=0", "trainer.max_steps=2",
+           "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
+           "trainer.enable_progress_bar=false", "logger=none", "ema=true", f"hydra.run.dir={run}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, check=False, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    saved = json.loads((run / "metrics.json").read_text())
+    assert saved["test/fid"] > 0 and math.isfinite(saved["test/ssm_vr_loss"])
+    assert math.isfinite(saved["best/val/dsm_loss"])
+
+    from src.sample import sample_from_checkpoint
+
+    out = sample_from_checkpoint(run / "checkpoints" / "last.ckpt", n=5, seed=3, out=tmp_path / "s.png",
+                                 overrides=[f"data.root={shared_data}"])
+    images = torch.load(out.with_suffix(".pt"))
+    assert images.shape == (5, 1, 28, 28) and 0 <= images.min() and images.max() <= 1
+    again = torch.load(sample_from_checkpoint(run / "checkpoints" / "last.ckpt", n=5, seed=3,
+                                              out=tmp_path / "t.png", overrides=[f"data.root={shared_data}"])
+                       .with_suffix(".pt"))
+    assert torch.equal(images, again)
