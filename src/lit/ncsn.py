@@ -47,10 +47,13 @@ class NCSNLitModule(DeqsmModule):
         optimizer: Mapping | None = None,
         evaluation: Mapping | None = None,
         metrics: Mapping | None = None,
+        monitor: str | None = "val/dsm_loss",
+        monitor_mode: str | None = "min",
     ):
         loss, deq, noise, sampling, optimizer, evaluation, metrics = (
             as_plain(c) for c in (loss, deq, noise, sampling, optimizer, evaluation, metrics))
-        super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation)
+        super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation, monitor=monitor,
+                         monitor_mode=monitor_mode)
         self.save_hyperparameters()
         loss = dict(loss or {"name": "ssm_vr"})
         self.loss_name = str(loss.pop("name"))
