@@ -41,6 +41,15 @@ def test_fast_dev_run_every_variant(tmp_path, shared_data, arch, deq, depth):
     assert (tmp_path / "samples.png").exists()
 
 
+@pytest.mark.parametrize("loss", ["ssm_vr", "dsm"])
+def test_other_score_objectives_train_the_estimator(tmp_path, shared_data, loss):
+    """loss=ssm_vr | dsm train the score estimator in place of the paper's ssm (the reported test loss stays
+    the SSM loss of eq. 3, so the runs are comparable)."""
+    m = run([f"data.root={shared_data}", f"loss={loss}", "deq=true", "trainer.fast_dev_run=true",
+             "model.metrics.log_likelihood=null", "model.metrics.fid=null"], tmp_path)
+    assert torch.isfinite(torch.tensor(m["test/score_ssm_loss"])) and 200 < m["test/recon_error"] < 1000
+
+
 def test_training_lowers_the_losses_and_resume_is_exact(tmp_path, shared_data):
     """A few epochs improve the reconstruction and the score estimator; a two-optimiser run stopped after
     2 epochs and resumed from last.ckpt ends with the same parameters as an uninterrupted 4-epoch run."""
