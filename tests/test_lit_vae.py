@@ -76,3 +76,22 @@ def test_training_lowers_the_losses_and_resume_is_exact(tmp_path, shared_data):
     assert full["test/score_ssm_loss"] < fresh["test/score_ssm_loss"] - 5  # measured −27 vs 0.07
     # Lightning counts every optimiser step: 4 epochs x 7 batches x (2 score + 1 vae) updates
     assert a["global_step"] == 84
+
+
+@pytest.mark.parametrize("exp,shape", [("vae_cifar10", (3, 32, 32)), ("vae_celeba", (3, 64, 64))])
+def test_image_experiments_compose_to_the_benchmarked_models(exp, shape):
+    """experiment=vae_cifar10|vae_celeba build the conv SSM-VAE of Table 6 with a Gaussian decoder whose log σ
+    is learned, the paper's optimiser settings, and the same parameter counts as benchmarks/vae_memory.py."""
+    from hydra.utils import instantiate
+
+    expected = {"vae_cifar10": (4_795_908, 6_435_332, 4_898_308), "vae_celeba": (16_246_532, 17_885_956, 16_348_932)}
+    counts = []
+    for over in (["deq=false", "depth=0"], ["deq=false", "depth=16"], ["deq=true"]):
+        cfg = compose_train([f"experiment={exp}", "logger=none", *over])
+        assert cfg.model.optimizer.score.lr == cfg.model.optimizer.vae.lr == 1e-4
+        assert cfg.model.optimizer.vae.weight_decay == 1e-12 and cfg.data.batch_size == 128
+        assert cfg.data.pixel_range == "symmetric"
+        model = instantiate(cfg.model)
+        assert tuple(model.hparams.image_shape) == shape and isinstance(model.decoder.log_sigma, torch.nn.Parameter)
+        counts.append(sum(p.numel() for p in model.parameters()))
+    assert tuple(counts) == expected[exp]
