@@ -152,7 +152,7 @@ def main():
     torch.set_num_threads(args.threads)
     device = (torch.cuda.get_device_name() if args.device == "cuda"
               else f"CPU ({platform.processor() or platform.machine()}, {args.threads} thread)")
-    res = {"args": vars(args), "device": device, "rows": []}
+    res = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "render")}, "device": device, "rows": []}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for size in args.sizes.split(","):
