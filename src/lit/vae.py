@@ -1,0 +1,162 @@
+"""SSM-VAE LightningModule (``model=vae``): implicit encoder, decoder, score estimator s(z|x), trained by
+alternating manual updates (paper §4.1, App. D.3, Tables 1, 6, 7).
+
+Each training step, on a batch x (binarised MNIST, or CIFAR-10/CelebA in [−1, 1]):
+
+1. ``score_steps`` updates of the score estimator (optimiser ``score``) with the configured objective
+   (``loss=ssm`` as the paper, ``ssm_vr``, ``dsm``) on z ~ q(z|x), drawn afresh and detached each time;
+2. one update of encoder and decoder (optimiser ``vae``) on the surrogate negative ELBO
+   −log p(x|z) − log p(z) + ⟨stop-grad(s(z|x)), z⟩, whose encoder gradient is, in expectation, that of
+   the true negative ELBO (:func:`src.models.vae.entropy_surrogate`).
+
+Both go through :meth:`DeqsmModule.manual_update` (clipping as ``trainer.gradient_clip_val`` says).
+Metrics: ``model.metrics.vae`` (:mod:`src.metrics.vae`: score estimator's SSM loss, reconstruction error),
+``log_likelihood`` (AIS of log p(x), :mod:`src.metrics.ais`, options in ``model.evaluation.ais``), ``fid``
+(prior samples through the decoder, :meth:`sample`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+import src.metrics.vae  # noqa: F401  registers model.metrics.vae
+from src.lit.base import DeqsmModule, as_plain, batch_tensor
+from src.metrics.ais import ais_log_likelihood
+from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
+from src.objectives.registry import get_objective
+from src.objectives.ssm import ssm
+
+AIS_DEFAULTS = {"n_steps": 1000, "n_chains": 16, "leapfrog": 10, "step_size": 0.05, "target_accept": 0.65,
+                "schedule": "sigmoid", "test_points": 1000, "seed": 0}
+
+
+class VAELitModule(DeqsmModule):
+    """See the module docstring. ``image_shape`` is ``data.shape``; ``arch`` ``mlp`` (MNIST, as the SSM
+    reference) or ``conv`` (Table 6); ``channels`` m of the score estimator (``enc_channels`` of encoder and
+    decoder); ``depth``/``deq`` the score estimator's pre-processing (SSM VAE, Aug(k), DEQ); ``projection``
+    (``gaussian``, the SSM reference's for the VAE, or ``null`` to keep ``loss.projection``) replaces the
+    projection of ``loss=ssm|ssm_vr`` and is the one of the reported test SSM loss."""
+
+    def __init__(
+        self,
+        image_shape: Sequence[int],
+        loss: Mapping,
+        deq: Mapping | None = None,
+        depth: int | None = None,
+        arch: str = "mlp",
+        latent_dim: int = 8,
+        noise_dim: int | None = None,
+        hidden: int = 256,
+        channels: int = 32,
+        enc_channels: int = 32,
+        likelihood: str = "bernoulli",
+        log_sigma: float = 0.0,
+        learn_sigma: bool = False,
+        score_steps: int = 1,
+        projection: str | None = "gaussian",
+        input_dim: int | None = None,
+        optimizer: Mapping | None = None,
+        evaluation: Mapping | None = None,
+        metrics: Mapping | None = None,
+        monitor: str | None = "val/recon_error",
+        monitor_mode: str | None = "min",
+        n_samples_grid: int = 64,
+    ):
+        loss, deq, optimizer, evaluation, metrics = (as_plain(c) for c in (loss, deq, optimizer, evaluation, metrics))
+        image_shape = [int(s) for s in as_plain(image_shape)]
+        super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation, monitor=monitor,
+                         monitor_mode=monitor_mode)
+        self.save_hyperparameters()
+        self.automatic_optimization = False
+        self.latent_dim, self.score_steps, self.n_samples_grid = int(latent_dim), int(score_steps), n_samples_grid
+        if self.score_steps < 1:
+            raise ValueError(f"model.score_steps must be >= 1, got {score_steps}")
+        self.encoder = ImplicitEncoder(image_shape, latent_dim, arch=arch, hidden=hidden, channels=enc_channels,
+                                       noise_dim=noise_dim)
+        self.decoder = Decoder(image_shape, latent_dim, arch=arch, likelihood=likelihood, hidden=hidden,
+                               channels=enc_channels, log_sigma=log_sigma, learn_sigma=learn_sigma)
+        self.score_net = ScoreEstimator(image_shape, latent_dim, arch=arch, channels=channels, depth=depth, deq=deq)
+        self.net = self.score_net
+        loss = dict(loss or {"name": "ssm"})
+        self.loss_name = loss.pop("name")
+        if projection is not None and self.loss_name in ("ssm", "ssm_vr"):
+            loss["projection"] = projection  # the SSM reference's Gaussian projections for the VAE
+        self.projection = projection or loss.get("projection", "rademacher")
+        self.objective = get_objective(self.loss_name, **loss)
+        self.ais_cfg = {**AIS_DEFAULTS, **dict(self.evaluation_cfg.get("ais") or {})}
+        unknown = set(self.ais_cfg) - set(AIS_DEFAULTS)
+        if unknown:
+            raise ValueError(f"model.evaluation.ais: unknown key(s) {sorted(unknown)}; valid: {sorted(AIS_DEFAULTS)}")
+        self._ais_seen = 0
+        self._ais_batches = 0
+
+    # ------------------------------------------------------------------ training
+    def training_step(self, batch, batch_idx):
+        x = batch_tensor(batch)
+        for _ in range(self.score_steps):
+            with torch.no_grad():
+                z = self.encoder(x)
+            out = self.objective(ConditionalScore(self.score_net, x), z)
+            self.manual_update("score", out.loss)
+        z = self.encoder(x)
+        with torch.no_grad():
+            s = self.score_net(z.detach(), x)
+        total, rec, prior = surrogate_negative_elbo(self.decoder, x, z, s)
+        loss = total.mean()
+        self.manual_update("vae", loss)
+        b = x.shape[0]
+        self.log("train/loss", loss.detach(), prog_bar=True, on_step=True, on_epoch=True, batch_size=b)
+        self.log("train/score_loss", out.loss.detach(), prog_bar=True, on_step=True, on_epoch=True, batch_size=b)
+        self.log("train/recon_error", rec.mean().detach(), on_step=False, on_epoch=True, batch_size=b)
+        self.log("train/prior_nll", prior.mean().detach(), on_step=False, on_epoch=True, batch_size=b)
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_model(self):
+        raise ValueError("model=vae: the score estimator is conditional, s(z|x); use model.metrics.vae (its SSM "
+                         "loss) rather than exact_sm / ground_truth / noise_conditional")
+
+    def vae_eval_terms(self, x: torch.Tensor, generator: torch.Generator | None = None) -> dict[str, torch.Tensor]:
+        """Per point: the score estimator's SSM loss (eq. 3) at z ~ q(z|x), and −log p(x|z) at that z."""
+        with torch.no_grad():
+            z = self.encoder(x, generator=generator)
+            rec = -self.decoder.log_prob(x, z)
+        out = ssm(ConditionalScore(self.score_net, x), z, projection=self.projection, create_graph=False,
+                  generator=generator)
+        return {"score_ssm_loss": out.per_sample.detach(), "recon_error": rec}
+
+    def on_test_epoch_start(self):
+        self._ais_seen, self._ais_batches = 0, 0
+        super().on_test_epoch_start()
+
+    def log_likelihood_metrics(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """AIS log p(x) (nats) of the first ``model.evaluation.ais.test_points`` test points (per rank)."""
+        c = self.ais_cfg
+        x = x[: max(0, int(c["test_points"]) - self._ais_seen)]
+        self._ais_batches += 1
+        if x.shape[0] == 0:
+            return {}
+        self._ais_seen += x.shape[0]
+        g = torch.Generator(device=x.device).manual_seed(int(c["seed"]) + 1_000_003 * self._ais_batches)
+        ll = ais_log_likelihood(self.decoder.log_prob, x, self.latent_dim, n_steps=int(c["n_steps"]),
+                                n_chains=int(c["n_chains"]), leapfrog=int(c["leapfrog"]),
+                                step_size=float(c["step_size"]), target_accept=float(c["target_accept"]),
+                                schedule=str(c["schedule"]), generator=g)
+        return {"log_likelihood": ll}
+
+    def log_likelihood_constants(self) -> dict[str, float]:
+        c = self.ais_cfg
+        return {"test/ais_points": float(self._ais_seen), "test/ais_steps": float(c["n_steps"]),
+                "test/ais_chains": float(c["n_chains"])}
+
+    # ------------------------------------------------------------------ samples
+    @torch.no_grad()
+    def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Decoder means E[x|z] of prior samples z ~ N(0, I), in the data's model space."""
+        z = torch.randn(n, self.latent_dim, device=self.device, dtype=self.dtype, generator=generator)
+        return self.decoder.mean(z)
+
+    def on_test_end(self) -> None:
+        if self.trainer.is_global_zero:
+            self.save_sample_grid(self.n_samples_grid)
