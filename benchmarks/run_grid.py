@@ -357,6 +357,19 @@ def plot(results, out: Path, stem: str) -> list[Path]:
     return written
 
 
+def portable(record: dict) -> dict:
+    """The record with its run directory and checkpoint paths relative to the repository (from ``outputs/``
+    on), so the committed JSON names no path of the machine that ran it."""
+    def rel(path):
+        text = str(path)
+        return text[text.index("outputs/"):] if "outputs/" in text else text
+
+    out = dict(record, run_dir=rel(record.get("run_dir", "")))
+    if "tested_checkpoint" in record.get("metrics", {}):
+        out["metrics"] = dict(record["metrics"], tested_checkpoint=rel(record["metrics"]["tested_checkpoint"]))
+    return out
+
+
 def run_dir_of(runs: Path, job: dict, seed: int) -> Path:
     safe = "".join(c if (c.isascii() and c.isalnum()) or c in "-_" else "_" for c in f"{job['group']}_{job['method']}")
     return runs / f"{safe}_seed{seed}"
@@ -503,7 +516,7 @@ def main(argv=None):
 
     def write():
         done = with_old([r for r in results if r is not None])
-        (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "jobs": done}, indent=2))
+        (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "jobs": [portable(r) for r in done]}, indent=2))
         (args.out / f"{stem}.md").write_text(to_markdown(done, columns, meta))
 
     if args.old:
