@@ -97,7 +97,8 @@ class NiceArgs:
 def test_nice_grid_names_the_injection_and_has_the_baselines():
     jobs = {j["method"]: j["overrides"] for j in run_grid.nice_grid(NiceArgs())}
     assert {"SSM", "DEQ-SSM", "MLE", "CP", "DSM σ=0.1", "DSM σ=1.74"} <= set(jobs)
-    assert {"deq=true", "deq.injection=linear"} <= set(jobs["DEQ-SSM"])
+    assert {"deq=true", "deq.injection=linear", "trainer.gradient_clip_val=null"} <= set(jobs["DEQ-SSM"])
+    assert "trainer.gradient_clip_val=100" in jobs["SSM (clip 100)"]
     assert {"loss=dsm", "loss.sigma=1.74"} <= set(jobs["DSM σ=1.74"])
     NiceArgs.squash = "clamp"
     clamp = {j["method"]: j["overrides"] for j in run_grid.nice_grid(NiceArgs())}
