@@ -1,7 +1,7 @@
 """Hydra entry point: compose -> instantiate -> fit -> test -> ``<run dir>/metrics.json``.
 
     python -m src.train                                     # DEQ-DKEF, exact SM, synthetic Gaussian
-    python -m src.train model=dkef loss=sm deq=true data=redwine data.root=../shared/data
+    python -m src.train model=dkef loss=sm deq=true data=redwine data.root=<data dir>
     python -m src.train -m loss=sm,ssm_vr deq=true,false    # a sweep: one run directory per job
 """
 

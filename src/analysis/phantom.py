@@ -1,6 +1,6 @@
 """App. C of the paper as a command: how close is the phantom gradient to exact implicit differentiation?
 
-    python -m src.analysis.phantom --root ../shared/data --steps 200 --every 10 --out outputs/phantom
+    python -m src.analysis.phantom --root <data dir> --steps 200 --every 10 --out outputs/phantom
 
 DEQ-DKEF is trained on UCI Parkinsons with the paper's phantom gradient (K = 2). Every ``--every`` steps,
 on a fresh batch, the phantom quantities for each K of ``--ks`` are compared with the exact implicit ones
@@ -123,7 +123,7 @@ def histograms(records: dict, k: int, out: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default="../shared/data", help="data.root holding parkinsons-telemonitoring/")
+    p.add_argument("--root", default="data", help="data.root holding parkinsons-telemonitoring/ (default: ./data)")
     p.add_argument("--data", default="parkinsons", choices=["parkinsons", "redwine", "whitewine"])
     p.add_argument("--steps", type=int, default=200, help="training steps (phantom K=2, as the paper)")
     p.add_argument("--every", type=int, default=10, help="compare every N steps")
