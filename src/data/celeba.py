@@ -120,31 +120,14 @@ class CelebADataModule(ImageDataModule):
     """CelebA images ``[B, 3, image_size, image_size]``; options as :class:`~src.data.images.ImageDataModule`
     (``val_fraction`` is unused by the official split: CelebA has its own validation part)."""
 
-    def __init__(
-        self,
-        root: str | os.PathLike = "data",
-        image_size: int = 64,
-        batch_size: int = 128,
-        eval_batch_size: int = 512,
-        num_workers: int = 0,
-        seed: int = 2019,
-        download: bool = True,
-        split: str | Sequence[float] = "official",
-        val_fraction: float = 0.1,
-        limit: int | None = None,
-        pixel_range: str = "unit",
-        flip: bool = True,
-        dequantize: bool = True,
-        binarize: bool = False,
-        dim: int | None = None,
-        shape: Sequence[int] | None = None,
-    ):
+    default_flip = True
+
+    def __init__(self, root: str | os.PathLike = "data", image_size: int = 64, **options):
         if isinstance(image_size, bool) or int(image_size) != image_size or not 1 <= int(image_size) <= CROP:
             raise ValueError(f"image_size={image_size!r} is invalid: it must be an integer in [1, {CROP}] "
                              "(32 and 64 are the usual)")
         self.image_size = int(image_size)
-        super().__init__(root, batch_size, eval_batch_size, num_workers, seed, download, split, val_fraction,
-                         limit, pixel_range, flip, dequantize, binarize, dim, shape)
+        super().__init__(root, **options)
 
     @property
     def image_shape(self) -> tuple[int, int, int]:

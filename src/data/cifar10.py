@@ -27,7 +27,7 @@ import pickle
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 import numpy as np
@@ -198,27 +198,7 @@ class CIFAR10DataModule(ImageDataModule):
     """CIFAR-10 images ``[B, 3, 32, 32]``; options as :class:`~src.data.images.ImageDataModule`."""
 
     image_shape = (3, 32, 32)
-
-    def __init__(
-        self,
-        root: str | os.PathLike = "data",
-        batch_size: int = 128,
-        eval_batch_size: int = 512,
-        num_workers: int = 0,
-        seed: int = 2019,
-        download: bool = True,
-        split: str | Sequence[float] = "official",
-        val_fraction: float = 0.1,
-        limit: int | None = None,
-        pixel_range: str = "unit",
-        flip: bool = True,
-        dequantize: bool = True,
-        binarize: bool = False,
-        dim: int | None = None,
-        shape: Sequence[int] | None = None,
-    ):
-        super().__init__(root, batch_size, eval_batch_size, num_workers, seed, download, split, val_fraction,
-                         limit, pixel_range, flip, dequantize, binarize, dim, shape)
+    default_flip = True
 
     def prepare_data(self) -> None:
         """Download and extract once (local rank 0); :meth:`setup` then finds the batch folder."""

@@ -256,6 +256,7 @@ class ImageDataModule(ScoreDataModule):
     """
 
     is_image = True
+    default_flip = False  # ``flip=None``: the data set's convention (natural images flip, digits do not)
 
     def __init__(
         self,
@@ -269,7 +270,7 @@ class ImageDataModule(ScoreDataModule):
         val_fraction: float = 0.1,
         limit: int | None = None,
         pixel_range: str = "unit",
-        flip: bool = False,
+        flip: bool | None = None,
         dequantize: bool = True,
         binarize: bool = False,
         dim: int | None = None,
@@ -289,7 +290,8 @@ class ImageDataModule(ScoreDataModule):
         if self.split == "official" and not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction} is invalid: it must be in (0, 1)")
         self.limit = None if limit is None else _positive_int("limit", limit)
-        self.transform = PixelTransform(bool(dequantize), bool(binarize), check_pixel_range(pixel_range), bool(flip))
+        self.transform = PixelTransform(bool(dequantize), bool(binarize), check_pixel_range(pixel_range),
+                                        self.default_flip if flip is None else bool(flip))
         self._check_declared_shape(dim, shape)
         self.source: ImageSource | None = None
         self.split_indices: dict[str, torch.Tensor] | None = None

@@ -11,9 +11,6 @@ splits are binarised once with a fixed seed.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
-
 import torch
 
 from src.data.images import ImageDataModule, ImageSource, TensorImages
@@ -24,27 +21,6 @@ class MNISTImageDataModule(ImageDataModule):
     """MNIST images ``[B, 1, 28, 28]``; options as :class:`~src.data.images.ImageDataModule`."""
 
     image_shape = (1, 28, 28)
-
-    def __init__(
-        self,
-        root: str | os.PathLike = "data",
-        batch_size: int = 128,
-        eval_batch_size: int = 512,
-        num_workers: int = 0,
-        seed: int = 2019,
-        download: bool = True,
-        split: str | Sequence[float] = "official",
-        val_fraction: float = 0.1,
-        limit: int | None = None,
-        pixel_range: str = "unit",
-        flip: bool = False,
-        dequantize: bool = True,
-        binarize: bool = False,
-        dim: int | None = None,
-        shape: Sequence[int] | None = None,
-    ):
-        super().__init__(root, batch_size, eval_batch_size, num_workers, seed, download, split, val_fraction,
-                         limit, pixel_range, flip, dequantize, binarize, dim, shape)
 
     def prepare_data(self) -> None:
         locate_mnist(self.root, download=self.download)  # downloads once (local rank 0)
