@@ -40,6 +40,7 @@ from src.callbacks.profiling import SavedTensorsMeter
 from src.deq.config import DEQConfig
 from src.lit.ncsn import NCSNLitModule
 from src.objectives.conditional import noise_conditional
+from src.reporting import markdown_table
 
 RESULTS = ROOT / "benchmarks" / "results"
 # (row, arch, deq enabled, depth): the paper's three rows of Table 5
@@ -121,17 +122,18 @@ def render(results: dict) -> str:
         meta = res["meta"]
         lines += [f"## {key}", "",
                   (f"{meta['device_name']}, torch {meta['torch']}, {meta['threads']} thread(s), batch {meta['batch']}, "
-                  f"median of {meta['steps']} steps after {meta['warmup']} warm-up. {meta['note']}"), "",
-                  ("| method | params | score saved MB | score ms | step saved MB | step ms | DEQ iters | "
-                  "contraction | paper: params / score-graph memory / total memory / ms per it (batch 128, GPU) |"),
-                  "|---|---|---|---|---|---|---|---|---|"]
+                  f"median of {meta['steps']} steps after {meta['warmup']} warm-up. {meta['note']}"), ""]
+        head = ["method", "params", "score saved MB", "score ms", "step saved MB", "step ms", "DEQ iters",
+                "contraction", "paper: params / score-graph memory / total memory / ms per it (batch 128, GPU)"]
+        body = []
         for row in res["rows"]:
             p = PAPER[row["method"]]
             iters = f"{row['deq_iterations']:.1f}" if "deq_iterations" in row else "–"
             rate = f"{row['contraction_rate']:.1e}" if "contraction_rate" in row else "–"
-            lines.append(f"| {row['method']} | {row['params'] / 1e6:.2f}M | {row['score_saved_MB']:.1f} | "
-                         f"{row['score_ms']:.0f} | {row['step_saved_MB']:.1f} | {row['step_ms']:.0f} | {iters} | "
-                         f"{rate} | {p[2]} / {p[3]} / {p[4]} / {p[1]} |")
+            body.append([row["method"], f"{row['params'] / 1e6:.2f}M", f"{row['score_saved_MB']:.1f}",
+                         f"{row['score_ms']:.0f}", f"{row['step_saved_MB']:.1f}", f"{row['step_ms']:.0f}", iters,
+                         rate, f"{p[2]} / {p[3]} / {p[4]} / {p[1]}"])
+        lines += markdown_table(head, body)
         rows = {r["method"]: r for r in res["rows"]}
         ref, two, deq = (rows[v[0]] for v in VARIANTS)
         lines += ["", "Ratios (ours; the paper's in brackets, from Table 5):", "",

@@ -36,6 +36,7 @@ sys.path.insert(0, str(ROOT))
 from src.callbacks.profiling import SavedTensorsMeter
 from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
 from src.objectives.ssm import ssm
+from src.reporting import markdown_table
 
 SIZES = {"CIFAR-10": (3, 32, 32), "CelebA": (3, 64, 64)}
 VARIANTS = [("SSM VAE", 0, False), ("Aug(8)-SSM VAE", 8, False), ("Aug(16)-SSM VAE", 16, False),
@@ -108,12 +109,13 @@ def render(res: dict) -> str:
         f"D_z = {a['latent']}, conv architecture (Table 6), Gaussian decoder, one SSM update of the score "
         "estimator + one encoder/decoder update per iteration. **No GPU was lent for this work**: these are CPU "
         "figures at a small batch, comparable between rows, not with the paper's GPU seconds and GB at batch 128."),
-        "", ("| data | method | params (all / score net) | saved for backward | s / iter (CPU) | DEQ iters | "
-        "paper: params; memory; s / iter |"), "|---|---|---|---|---|---|---|"]
-    for r in res["rows"]:
-        lines.append(f"| {r['size']} | {r['method']} | {r['params'] / 1e6:.2f}M / {r['score_params'] / 1e6:.2f}M | "
-                     f"{r['saved_mb']:.1f} MB | {r['s_per_iter']:.2f} | {r.get('deq_iterations', '')} | "
-                     f"{PAPER[(r['size'], r['method'])]} |")
+        ""]
+    head = ["data", "method", "params (all / score net)", "saved for backward", "s / iter (CPU)", "DEQ iters",
+            "paper: params; memory; s / iter"]
+    lines += markdown_table(head, [
+        [r["size"], r["method"], f"{r['params'] / 1e6:.2f}M / {r['score_params'] / 1e6:.2f}M",
+         f"{r['saved_mb']:.1f} MB", f"{r['s_per_iter']:.2f}", r.get("deq_iterations", ""),
+         PAPER[(r["size"], r["method"])]] for r in res["rows"]])
     lines += ["", "Saved-for-backward bytes relative to the SSM VAE of the same size:", ""]
     for size in SIZES:
         rows = {r["method"]: r for r in res["rows"] if r["size"] == size}
