@@ -117,6 +117,7 @@ class DeqsmModule(L.LightningModule):
         self.evaluation_cfg = dict(as_plain(evaluation) or {})
         self.eval_metrics = build_metrics(as_plain(metrics))
         self.manual_clip: dict[str, Any] = {}
+        self.n_samples_grid = 0  # generative families: samples.png of this many samples at the end of the test
         self.test_results: dict[str, float] = {}
         self._data: ScoreDataModule | None = None
 
@@ -294,6 +295,11 @@ class DeqsmModule(L.LightningModule):
         if y is None:
             return None
         return dm.to_pixels(y).float().cpu()
+
+    def on_test_end(self) -> None:
+        # the tested weights (best checkpoint; EMA-averaged when EMA is on), once, on global rank 0
+        if self.trainer.is_global_zero and self.n_samples_grid > 0:
+            self.save_sample_grid(self.n_samples_grid)
 
     def save_sample_grid(self, n: int = 64, name: str = "samples.png"):
         """Write ``n`` samples as a PNG grid into the run directory (and to the loggers that take images)."""

@@ -128,10 +128,6 @@ class NCSNLitModule(DeqsmModule):
             self.log(key, value)
         self.test_results.update(extra)
 
-    def on_test_end(self) -> None:
-        if self.trainer.is_global_zero and self.n_samples_grid > 0:
-            self.save_sample_grid(self.n_samples_grid)
-
     # ------------------------------------------------------------------ samples
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Annealed Langevin dynamics (``model.sampling``) from uniform noise on the pixel range."""

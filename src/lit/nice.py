@@ -58,7 +58,3 @@ class NICELitModule(ScoreMatchingModule):
 
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         return self.net.sample(n, generator=generator)
-
-    def on_test_end(self) -> None:
-        if self.trainer.is_global_zero:
-            self.save_sample_grid(self.n_samples_grid)

@@ -157,6 +157,3 @@ class VAELitModule(DeqsmModule):
         z = torch.randn(n, self.latent_dim, device=self.device, dtype=self.dtype, generator=generator)
         return self.decoder.mean(z)
 
-    def on_test_end(self) -> None:
-        if self.trainer.is_global_zero:
-            self.save_sample_grid(self.n_samples_grid)
