@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from src.lit.base import DeqsmModule, as_plain, batch_tensor
+from src.metrics.evaluation import seeded_rng
 from src.models.ncsn import NCSN, geometric_sigmas
 from src.objectives.conditional import noise_conditional
 from src.objectives.registry import get_objective
@@ -94,11 +95,10 @@ class NCSNLitModule(DeqsmModule):
     def validation_step(self, batch, batch_idx):
         super().validation_step(batch, batch_idx)
         x = self.model_tensor(batch_tensor(batch))
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-            torch.manual_seed(self.val_seed + 7919 * batch_idx)  # the same levels and noise every epoch
-            with torch.enable_grad():
-                out = noise_conditional(get_objective("dsm"), self.eval_model(), x, self.net.sigmas,
-                                        anneal_power=self.anneal_power, create_graph=False)
+        # the same levels and noise every epoch
+        with seeded_rng(self.val_seed + 7919 * batch_idx, x.device), torch.enable_grad():
+            out = noise_conditional(get_objective("dsm"), self.eval_model(), x, self.net.sigmas,
+                                    anneal_power=self.anneal_power, create_graph=False)
         self.log("val/dsm_loss", out.loss.detach(), prog_bar=True, on_epoch=True, batch_size=x.shape[0])
 
     # ------------------------------------------------------------------ test extras

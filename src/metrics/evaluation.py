@@ -22,6 +22,7 @@ runs (``"val"``, ``"test"``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Mapping
 
@@ -35,6 +36,15 @@ from src.objectives.sm import sm as exact_sm
 
 # the exact trace costs D backward passes per batch: above this dimension refuse unless asked explicitly
 EXACT_SM_MAX_DIM = 1024
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device):
+    """Draw from torch's global RNG seeded with ``seed`` (and ``device``'s CUDA RNG when on a GPU), then put
+    the RNG states back: evaluation repeats exactly and never moves the training RNG."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(seed)
+        yield
 
 
 class _MeanAndStderr(nn.Module):
@@ -251,11 +261,10 @@ class NoiseConditionalLosses(EvalMetric):
             objective = get_objective(name, **kwargs)
             for i in range(sigmas.numel()):
                 labels = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
-                with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-                    torch.manual_seed(self.seed + 1_000_003 * self._batches + 7919 * i)
-                    with torch.enable_grad():
-                        out = noise_conditional(objective, module.eval_model(), x, sigmas, labels=labels,
-                                                create_graph=False)
+                seed = self.seed + 1_000_003 * self._batches + 7919 * i
+                with seeded_rng(seed, x.device), torch.enable_grad():
+                    out = noise_conditional(objective, module.eval_model(), x, sigmas, labels=labels,
+                                            create_graph=False)
                 key = f"{name}_{i}"
                 if key not in self.acc:
                     self.acc[key] = _MeanAndStderr().to(x.device)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from src.metrics.evaluation import EvalMetric, _MeanAndStderr, register_metric
+from src.metrics.evaluation import EvalMetric, _MeanAndStderr, register_metric, seeded_rng
 
 
 @register_metric
@@ -48,8 +48,7 @@ class VAEMetrics(EvalMetric):
         if x.shape[0] == 0:
             return
         g = torch.Generator(device=x.device).manual_seed(self.seed + 1_000_003 * self._batches)
-        with torch.random.fork_rng(devices=[x.device] if x.device.type == "cuda" else []):
-            torch.manual_seed(self.seed + 7919 * self._batches)
+        with seeded_rng(self.seed + 7919 * self._batches, x.device):
             terms = module.vae_eval_terms(x, generator=g)
         for k in self.KEYS:
             self.acc[f"{stage}_{k}"].update(terms[k])
