@@ -15,12 +15,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from src.models.deq_net import DEQNet, deq_settings, resolve_depth
-
-
-def deq_config_from_mapping(cfg: Mapping | None):
-    """The ``src.deq.config.DEQConfig`` of the ``deq`` config group (its ``enabled`` flag is not part of it)."""
-    return deq_settings(cfg)[0]
+from src.models.deq_net import DEQNet, resolve_depth
 
 
 class MLPFeatures(nn.Module):

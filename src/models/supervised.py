@@ -74,12 +74,12 @@ class DEQNet(nn.Module):
                  deq: Mapping | None = None):
         super().__init__()
         from src.deq.block import DenseDEQBlock
-        from src.models.features import deq_config_from_mapping
+        from src.models.deq_net import deq_settings
 
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r}: a DEQ block takes one of {', '.join(ACTIVATIONS)}")
         self.block = DenseDEQBlock(in_dim, width, n_layers=n_layers, injection=nn.Linear(in_dim, width),
-                                   config=deq_config_from_mapping(deq), activation=activation)
+                                   config=deq_settings(deq)[0], activation=activation)
         self.readout = nn.Linear(width, out_dim)
 
     def features(self, x):
