@@ -31,6 +31,13 @@ def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
     return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
 
 
+def checkpoint_train_time(path: Path) -> float:
+    """The profiling callback's summed training-step time saved in a checkpoint."""
+    states = torch.load(path, map_location="cpu", weights_only=False)["callbacks"]
+    (value,) = [s["train_time_s"] for k, s in states.items() if "ProfilingCallback" in str(k)]
+    return value
+
+
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     full = tmp_path / "full"
     res = run_train([*RUN, "seed=3"], full)
@@ -56,6 +63,8 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     proc.wait()
     interrupted_epoch = torch.load(ckpt, map_location="cpu", weights_only=False)["epoch"]
     assert interrupted_epoch < 3
+    interrupted_time = checkpoint_train_time(ckpt)
+    assert interrupted_time > 0
 
     resumed = run_train([*RUN, "seed=3", f"ckpt_path={ckpt}"], killed)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -67,6 +76,10 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     mb = json.loads((killed / "metrics.json").read_text())
     for key in ("test/sm_loss", "test/log_likelihood", "test/fisher_divergence"):
         assert ma[key] == pytest.approx(mb[key], rel=1e-5, abs=1e-6), key
+    # the training time a checkpoint records is continued on resume, not restarted
+    assert checkpoint_train_time(full / "checkpoints" / "last.ckpt") == pytest.approx(ma["profile/train_time_s"])
+    assert checkpoint_train_time(ckpt) == pytest.approx(mb["profile/train_time_s"])
+    assert mb["profile/train_time_s"] > interrupted_time
 
     # re-evaluating the finished run from its checkpoint reproduces its test metrics
     from src.evaluate import evaluate

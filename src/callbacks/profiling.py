@@ -10,6 +10,10 @@ For every training step it records:
 - ``step_time_s``: wall time of the whole step (forward, backward, optimiser), CUDA-synchronised.
 - DEQ solver iterations and final residual of every DEQ block call during the step.
 
+It also keeps ``train_time_s``, the summed wall time of all training steps so far (no validation, test or
+start-up), in its ``state_dict``: it is saved in every checkpoint and continued on resume, so a checkpoint
+says how much training time produced it (``benchmarks/training_curves.py`` plots metrics against it).
+
 Figures are logged (``profile/*``) and summarised in :attr:`summary` (means over steps, skipping the first
 ``warmup_steps`` for time), which ``src.train`` writes into metrics.json.
 """
@@ -94,6 +98,13 @@ class ProfilingCallback(L.Callback):
         self._deq_calls: list[dict] = []
         self._hooks: list = []
         self._collecting = False
+        self.train_time_s = 0.0
+
+    def state_dict(self) -> dict:
+        return {"train_time_s": self.train_time_s}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.train_time_s = float(state_dict.get("train_time_s", 0.0))
 
     # -- DEQ statistics: a forward hook on every DEQ block collects each call's stats
     def _deq_hook(self, module, inputs, output):
@@ -127,6 +138,7 @@ class ProfilingCallback(L.Callback):
         if cuda:
             torch.cuda.synchronize()
         rec: dict[str, float] = {"step_time_s": time.perf_counter() - self._t0}
+        self.train_time_s += rec["step_time_s"]
         if self._meter is not None:
             self._meter.__exit__(None, None, None)
             rec["saved_bytes"] = float(self._meter.bytes)
@@ -148,7 +160,8 @@ class ProfilingCallback(L.Callback):
         if not self.records:
             return {}
         timed = self.records[self.warmup_steps :] or self.records
-        out = {"profile/time_per_step_s": mean(r["step_time_s"] for r in timed), "profile/steps": len(self.records)}
+        out = {"profile/time_per_step_s": mean(r["step_time_s"] for r in timed), "profile/steps": len(self.records),
+               "profile/train_time_s": self.train_time_s}
         for key in ("saved_bytes", "peak_cuda_bytes", "peak_rss_bytes", "deq_iterations", "deq_residual"):
             vals = [r[key] for r in self.records if key in r]
             if vals:

@@ -50,6 +50,7 @@ class VAELitModule(DeqsmModule):
         noise_dim: int | None = None,
         hidden: int = 256,
         channels: int = 32,
+        aug_init: str = "kaiming",
         enc_channels: int = 32,
         likelihood: str = "bernoulli",
         log_sigma: float = 0.0,
@@ -77,7 +78,8 @@ class VAELitModule(DeqsmModule):
                                        noise_dim=noise_dim)
         self.decoder = Decoder(image_shape, latent_dim, arch=arch, likelihood=likelihood, hidden=hidden,
                                channels=enc_channels, log_sigma=log_sigma, learn_sigma=learn_sigma)
-        self.score_net = ScoreEstimator(image_shape, latent_dim, arch=arch, channels=channels, depth=depth, deq=deq)
+        self.score_net = ScoreEstimator(image_shape, latent_dim, arch=arch, channels=channels, depth=depth, deq=deq,
+                                       aug_init=aug_init)
         self.net = self.score_net
         loss = dict(loss or {"name": "ssm"})
         self.loss_name = loss.pop("name")

@@ -172,16 +172,36 @@ class Decoder(nn.Module):
         return torch.sigmoid(out) if self.likelihood == "bernoulli" else out
 
 
+AUG_INITS = ("kaiming", "torch")
+
+
+def init_aug_layers(layers) -> None:
+    """He (Kaiming) normal weights, gain √2, and zero biases for the k extra Softplus layers of Aug(k).
+
+    Why not PyTorch's default (uniform, variance 1/(3·fan_in)): each default layer shrinks the input-dependent
+    part of the features by ≈ 1/√3 times Softplus' slope ≈ ½, so the output of a stack of 8 or 16 layers is
+    nearly constant in (z, x) and the SSM objective drives it to s ≈ 0 — measured on binarised MNIST, the
+    Aug(8) MLP estimator's test SSM loss stayed at −0.001 after 1000 iterations (the k = 0 estimator: −27.6).
+    With this initialisation the 8- and 16-layer stacks train (docs/experiments.md, "SSM-VAE")."""
+    for layer in layers:
+        nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+        nn.init.zeros_(layer.bias)
+
+
 class ScoreEstimator(nn.Module):
     """s(z|x) ≈ ∇_z log q(z|x), ``[B, D_z]`` (paper §4.1, Tables 6–7; see the module docstring).
 
     ``depth`` k explicit stride-1 layers (conv: 5×5, m channels; mlp: dense, m units), Softplus, when
     ``deq`` is disabled; one DEQ block (conv: ``ConvDEQBlock`` 5×5; mlp: ``DenseDEQBlock``) with a linear
-    injection when it is enabled. ``deq`` is the ``deq`` config group (``enabled`` and the solver keys)."""
+    injection when it is enabled. ``deq`` is the ``deq`` config group (``enabled`` and the solver keys).
+    ``aug_init``: ``kaiming`` (default, :func:`init_aug_layers`) or ``torch`` (PyTorch's default) for those k
+    explicit layers."""
 
     def __init__(self, image_shape, latent_dim: int, arch: str = "mlp", channels: int = 32, depth: int | None = None,
-                 deq=None, n_down: int | None = None):
+                 deq=None, n_down: int | None = None, aug_init: str = "kaiming"):
         super().__init__()
+        if aug_init not in AUG_INITS:
+            raise ValueError(f"model.aug_init={aug_init!r} is unknown; valid: {', '.join(AUG_INITS)}")
         deq_cfg = dict(deq or {})
         self.deq_enabled = bool(deq_cfg.get("enabled", False))
         self.depth = resolve_vae_depth(depth, self.deq_enabled)
@@ -221,6 +241,8 @@ class ScoreEstimator(nn.Module):
             feat = self.m
         else:
             raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
+        if self.layers is not None and aug_init == "kaiming":
+            init_aug_layers(self.layers)
         self.readout = nn.Linear(feat, latent_dim)
 
     def preprocess_input(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,294 @@
+"""Train the variants of a generative model for the same number of steps, keep a checkpoint every N steps,
+and evaluate every checkpoint: metrics (FID, AIS log-likelihood, test losses) against steps and wall time.
+
+    python benchmarks/training_curves.py vae  --root ../shared/data [--steps 6000] [--every 1500] [--ais-points 16]
+    python benchmarks/training_curves.py ncsn --root ../shared/data [--steps 1000] [--every 500] [--fid-samples 250]
+    python benchmarks/training_curves.py vae --render            # rebuild the markdown and figure from the JSON
+
+``vae`` is the paper's Table 1 protocol on binarised MNIST (`experiment=vae_mnist`: SSM VAE, Aug(8), Aug(16),
+DEQ), ``ncsn`` its Table 5 protocol on MNIST (`experiment=ncsn_mnist`: RefineNet, TwoRes, DEQ, SSM-VR).
+Each variant is one ``python -m src.train`` process (the command a user types, plus a second
+``ModelCheckpoint`` that keeps ``step_XXXXXXX.ckpt`` every ``--every`` steps; ``test=false``), run directory
+``--runs``/<grid>/<variant>. Then every kept checkpoint is tested with ``src.evaluate`` and the overrides of
+``--eval``-type options. The wall time of a checkpoint is the training time that produced it: the profiling
+callback's summed step times, saved in the checkpoint (validation, test and start-up excluded).
+
+Resumable: a variant whose run directory holds ``metrics.json`` is not trained again (an interrupted one
+resumes from its ``last.ckpt``); a checkpoint already in the results JSON is not evaluated again. Results are
+rewritten after every evaluation: ``<name>.json`` (machine, commands, every point), ``<name>.md`` (one table
+per variant, a summary table) and ``<name>.png`` (each metric against steps and against wall time), plus the
+last checkpoint's sample grid per variant, ``<name>_<variant>_samples.png``, in ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from src.reporting import figure, markdown_table
+
+# name -> (overrides, Lightning optimiser steps per model iteration)
+GRIDS = {
+    "vae": {
+        "experiment": "experiment=vae_mnist",
+        "steps_per_iteration": 2,  # one score-estimator update + one encoder/decoder update
+        "variants": {
+            "SSM VAE": ["deq=false", "depth=0"],
+            "Aug(8)-SSM VAE": ["deq=false", "depth=8"],
+            "Aug(16)-SSM VAE": ["deq=false", "depth=16"],
+            "DEQ-SSM VAE": ["deq=true"],
+        },
+        # what each checkpoint is tested with (on top of the run's config)
+        "metrics": [("test/fid", "FID", "{:.1f}"), ("test/log_likelihood", "AIS log p(x)", "{:.2f}"),
+                    ("test/recon_error", "recon −log p(x\\|z)", "{:.2f}"), ("test/score_ssm_loss", "SSM loss s(z\\|x)",
+                                                                          "{:.3f}")],
+    },
+    "ncsn": {
+        "experiment": "experiment=ncsn_mnist",
+        "steps_per_iteration": 1,
+        "variants": {
+            "SSM-VR NCSN (RefineNet)": ["model.arch=refinenet"],
+            "TwoRes-SSM-VR NCSN": ["deq=false", "depth=1"],
+            "DEQ-SSM-VR NCSN": ["deq=true"],
+        },
+        "metrics": [("test/fid", "FID", "{:.1f}"), ("test/dsm_loss", "test DSM loss", "{:.3f}"),
+                    ("test/ssm_vr_loss", "test SSM-VR loss", "{:.3f}")],
+    },
+}
+SUMMARY = [("n_params", "params", "{:,.0f}"), ("profile/time_per_step_s", "s / step", "{:.3f}"),
+           ("profile/saved_bytes_mean", "saved MB / step", "{:.1f}"), ("profile/deq_iterations_mean", "DEQ iters",
+                                                                       "{:.1f}")]
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
+
+
+def machine_facts(threads: int) -> str:
+    import torch
+
+    return (f"{platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; torch "
+            f"{torch.__version__}; device cpu, {threads} torch thread(s) per process")
+
+
+def train_command(grid: dict, variant: str, args, run_dir: Path) -> list[str]:
+    ckpt_dir = run_dir / "step_checkpoints"
+    cmd = [sys.executable, "-m", "src.train", grid["experiment"], *grid["variants"][variant],
+           f"data.root={args.root}", f"trainer.max_steps={args.steps}", f"seed={args.seed}", "test=false",
+           "logger=csv", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}",
+           "+callbacks.step_checkpoint._target_=lightning.pytorch.callbacks.ModelCheckpoint",
+           f"+callbacks.step_checkpoint.dirpath={ckpt_dir}",
+           "+callbacks.step_checkpoint.filename='step_{step:07d}'",
+           "+callbacks.step_checkpoint.auto_insert_metric_name=false",
+           f"+callbacks.step_checkpoint.every_n_train_steps={args.every}",
+           "+callbacks.step_checkpoint.save_top_k=-1", *args.extra]
+    last = run_dir / "checkpoints" / "last.ckpt"
+    if last.is_file():  # an interrupted run: continue it
+        cmd.append(f"ckpt_path={last}")
+    return cmd
+
+
+def shown(cmd: list[str]) -> str:
+    """The command as a user types it (``python``, repository-relative paths)."""
+    parts = ["python", *cmd[1:]]
+    return " ".join(shlex.quote(p.replace(str(ROOT) + os.sep, "")) for p in parts)
+
+
+def eval_overrides(grid_name: str, args) -> list[str]:
+    if grid_name == "vae":
+        return [f"model.metrics.fid.n_samples={args.fid_samples}",
+                f"model.evaluation.ais.test_points={args.ais_points}"]
+    return [f"model.metrics.fid.n_samples={args.fid_samples}"]
+
+
+def checkpoint_facts(path: Path) -> dict:
+    import torch
+
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    wall = None
+    for key, state in (ckpt.get("callbacks") or {}).items():
+        if "ProfilingCallback" in str(key) and isinstance(state, dict):
+            wall = state.get("train_time_s")
+    return {"step": int(ckpt["global_step"]), "train_time_s": wall}
+
+
+def real_data_fid(run_dir: Path, n: int, root: str) -> float:
+    """FID of ``n`` real training images against the ``n`` test images the FID metric compares samples with:
+    what a perfect sampler would score at this sample size (FID is biased upwards at small n)."""
+    from hydra.utils import instantiate
+    from omegaconf import OmegaConf
+
+    from src.metrics.fid import build_fid
+
+    cfg = OmegaConf.load(run_dir / ".hydra" / "config.yaml")
+    cfg.data.root = root
+    dm = instantiate(cfg.data)
+    dm.setup("fit")
+    dm.setup("test")
+    fid_cfg = cfg.model.metrics.fid
+    fid = build_fid(fid_cfg.kind, fid_cfg.get("weights"), fid_cfg.get("sha256"))
+    fid.update(dm.to_pixels(dm.split_tensor("train", n)).float(), real=False)
+    fid.update(dm.to_pixels(dm.split_tensor("test", n)).float(), real=True)
+    return float(fid.compute())
+
+
+def save(res: dict, args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{args.name}.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1, sort_keys=False))
+    os.replace(tmp, out / f"{args.name}.json")
+    (out / f"{args.name}.md").write_text(render(res))
+    plot(res, out / f"{args.name}.png")
+
+
+def _fmt(fmt: str, value) -> str:
+    return "—" if value is None else fmt.format(value)
+
+
+def render(res: dict) -> str:
+    grid = GRIDS[res["meta"]["grid"]]
+    per_it = grid["steps_per_iteration"]
+    lines = [f"# Training curves: {res['meta']['grid']} ({res['meta']['experiment']})", "",
+             f"Command: `{res['meta']['command']}`", "", f"Machine: {res['meta']['machine']}", "",
+             f"Each checkpoint tested with `python -m src.evaluate ckpt_path=<checkpoint> "
+             f"{' '.join(res['meta']['eval_overrides'])}`. Wall time = summed training step time "
+             "(validation, test and start-up excluded)." + (
+                 f" Steps are Lightning optimiser steps: {per_it} per model iteration." if per_it > 1 else ""), ""]
+    if res["meta"].get("real_fid") is not None:
+        lines += [(f"Reference: FID of {res['meta']['real_fid_n']} real training images against the test images "
+                   f"the metric uses: {res['meta']['real_fid']:.1f} (the floor at this sample size)."), ""]
+    head = ["variant", *(h for _, h, _ in SUMMARY)]
+    rows = []
+    for name, run in res["runs"].items():
+        t = run.get("train", {})
+        rows.append([name, *(_fmt(f, t.get(k) / 1e6 if k.endswith("bytes_mean") and t.get(k) else t.get(k))
+                             for k, _, f in SUMMARY)])
+    lines += ["## Variants", "", *markdown_table(head, rows), "", "Training commands:", "", "```bash",
+              *(run["command"] for run in res["runs"].values() if run.get("command")), "```", ""]
+    for name, run in res["runs"].items():
+        pts = sorted(run.get("points", {}).values(), key=lambda p: p["step"])
+        if not pts:
+            continue
+        head = ["step", "iteration", "wall s", *(h for _, h, _ in grid["metrics"])]
+        rows = [[p["step"], p["step"] // per_it, _fmt("{:.0f}", p.get("train_time_s")),
+                 *(_fmt(f, p["metrics"].get(k)) for k, _, f in grid["metrics"])] for p in pts]
+        lines += [f"## {name}", "", *markdown_table(head, rows), ""]
+        if run.get("samples"):
+            lines += [f"Samples of the last checkpoint: ![{name}]({run['samples']})", ""]
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: Path) -> None:
+    metrics = [m for m in GRIDS[res["meta"]["grid"]]["metrics"]
+               if any(p["metrics"].get(m[0]) is not None for r in res["runs"].values()
+                      for p in r.get("points", {}).values())]
+    if not metrics:
+        return
+    with figure(path, len(metrics), 2, figsize=(9, 2.8 * len(metrics))) as (_fig, axes):
+        for i, (key, label, _) in enumerate(metrics):
+            for name, run in res["runs"].items():
+                pts = sorted((p for p in run.get("points", {}).values() if p["metrics"].get(key) is not None),
+                             key=lambda p: p["step"])
+                if not pts:
+                    continue
+                axes[i][0].plot([p["step"] for p in pts], [p["metrics"][key] for p in pts], "o-", label=name)
+                if all(p.get("train_time_s") is not None for p in pts):
+                    axes[i][1].plot([p["train_time_s"] for p in pts], [p["metrics"][key] for p in pts], "o-",
+                                    label=name)
+            axes[i][0].set(xlabel="training steps", ylabel=label)
+            axes[i][1].set(xlabel="training wall time (s)", ylabel=label)
+        axes[0][0].legend(fontsize=7)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("grid", choices=sorted(GRIDS))
+    ap.add_argument("--root", default="data", help="data.root of every job")
+    ap.add_argument("--steps", type=int, default=None, help="trainer.max_steps (default: vae 6000, ncsn 1000)")
+    ap.add_argument("--every", type=int, default=None, help="keep a checkpoint every this many steps")
+    ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--fid-samples", type=int, default=1000)
+    ap.add_argument("--ais-points", type=int, default=16, help="vae: AIS on the first this-many test images")
+    ap.add_argument("--threads", type=int, default=1, help="torch threads of training and evaluation")
+    ap.add_argument("--extra", default="", help="extra overrides for every training job, space separated")
+    ap.add_argument("--runs", default="outputs/benchmarks/curves")
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--name", default=None, help="result file stem (default: <grid>_mnist_curves)")
+    ap.add_argument("--render", action="store_true", help="run nothing: rebuild markdown and figure from JSON")
+    args = ap.parse_args()
+    grid = GRIDS[args.grid]
+    args.name = args.name or f"{args.grid}_mnist_curves"
+    args.steps = args.steps or {"vae": 6000, "ncsn": 1000}[args.grid]
+    args.every = args.every or args.steps // 4
+    args.extra = args.extra.split()
+    res_path = Path(args.out) / f"{args.name}.json"
+    if args.render:
+        save(json.loads(res_path.read_text()), args)
+        return
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from src.evaluate import evaluate
+
+    res = json.loads(res_path.read_text()) if res_path.is_file() else {"runs": {}}
+    res["meta"] = {"grid": args.grid, "experiment": grid["experiment"], "machine": machine_facts(args.threads),
+                   "command": shown(["python", *sys.argv]), "eval_overrides": eval_overrides(args.grid, args)}
+    names = args.variants.split(",") if args.variants else list(grid["variants"])
+    for name in names:
+        if name not in grid["variants"]:
+            raise SystemExit(f"unknown variant {name!r}; valid: {', '.join(grid['variants'])}")
+        run_dir = (ROOT / args.runs / args.grid / slug(name)).resolve()
+        run = res["runs"].setdefault(name, {"points": {}})
+        if not (run_dir / "metrics.json").is_file():
+            cmd = train_command(grid, name, args, run_dir)
+            run["command"] = shown([c for c in cmd if not c.startswith("ckpt_path=")])
+            t0 = time.time()
+            proc = subprocess.run(cmd, check=False, cwd=ROOT)
+            if proc.returncode != 0:
+                print(f"{name}: training failed (exit {proc.returncode}); see {run_dir}/train.log", flush=True)
+                continue
+            print(f"{name}: trained in {time.time() - t0:.0f} s", flush=True)
+        else:
+            run.setdefault("command", shown(train_command(grid, name, args, run_dir)))
+        train = json.loads((run_dir / "metrics.json").read_text())
+        run["train"] = {k: train.get(k) for k, _, _ in SUMMARY} | {"global_step": train.get("global_step")}
+        for ckpt in sorted((run_dir / "step_checkpoints").glob("step_*.ckpt")):
+            if ckpt.name in run["points"]:
+                continue
+            facts = checkpoint_facts(ckpt)
+            t0 = time.time()
+            metrics = evaluate(ckpt, eval_overrides(args.grid, args))
+            run["points"][ckpt.name] = facts | {"eval_s": time.time() - t0, "metrics": {
+                k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
+            samples = run_dir / "samples.png"
+            if samples.is_file():
+                target = f"{args.name}_{slug(name)}_samples.png"
+                Path(args.out).mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(samples, Path(args.out) / target)
+                run["samples"] = target
+            save(res, args)
+            print(f"{name} {ckpt.name}: evaluated in {time.time() - t0:.0f} s", flush=True)
+        save(res, args)
+        if res["meta"].get("real_fid_n") != args.fid_samples:
+            res["meta"]["real_fid"] = real_data_fid(run_dir, args.fid_samples, args.root)
+            res["meta"]["real_fid_n"] = args.fid_samples
+            save(res, args)
+
+
+if __name__ == "__main__":
+    main()
