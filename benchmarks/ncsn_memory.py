@@ -70,18 +70,25 @@ def measure(module: NCSNLitModule, batch: int, warmup: int, steps: int, device: 
     net = module.net
     opt = torch.optim.Adam(net.parameters(), lr=1e-4, weight_decay=1e-12)
     g = torch.Generator().manual_seed(0)
-    score_t, score_b, step_t, step_b, iters = [], [], [], [], []
+    score_t, score_b, step_t, step_b, iters, score_peak, step_peak = [], [], [], [], [], [], []
     for k in range(warmup + steps):
         x = torch.rand(batch, 3, 32, 32, generator=g).to(device)
         labels = torch.randint(0, net.sigmas.numel(), (batch,), generator=g).to(device)
         xt = (x + net.sigmas[labels].reshape(-1, 1, 1, 1) * torch.randn(x.shape, generator=g).to(device))
         xt.requires_grad_(True)
         sync(device)
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
         t0 = time.perf_counter()
         with SavedTensorsMeter() as meter:
             s = net.score(xt, labels)
         sync(device)
         t1 = time.perf_counter()
+        if cuda:  # the allocator's peak above what was allocated before: graph, workspaces, temporaries
+            score_peak.append(torch.cuda.max_memory_allocated(device) - base)
+            torch.cuda.reset_peak_memory_stats(device)
         del s
         with SavedTensorsMeter() as step_meter:
             out = noise_conditional(module.objective, net, x, net.sigmas, anneal_power=2.0)
@@ -90,6 +97,8 @@ def measure(module: NCSNLitModule, batch: int, warmup: int, steps: int, device: 
         opt.step()
         sync(device)
         t2 = time.perf_counter()
+        if cuda:
+            step_peak.append(torch.cuda.max_memory_allocated(device))
         block = net.deq_block()
         if block is not None:
             iters.append(block.last_stats["iterations"])
@@ -100,6 +109,8 @@ def measure(module: NCSNLitModule, batch: int, warmup: int, steps: int, device: 
             step_b.append(step_meter.bytes)
     rec = {"score_ms": statistics.median(score_t), "score_saved_MB": max(score_b) / MB,
            "step_ms": statistics.median(step_t), "step_saved_MB": max(step_b) / MB}
+    if score_peak:
+        rec["score_peak_cuda_MB"], rec["step_peak_cuda_MB"] = max(score_peak) / MB, max(step_peak) / MB
     block = net.deq_block()
     if block is not None:
         rec["deq_iterations"] = statistics.mean(iters)
@@ -123,8 +134,11 @@ def render(results: dict) -> str:
         lines += [f"## {key}", "",
                   (f"{meta['device_name']}, torch {meta['torch']}, {meta['threads']} thread(s), batch {meta['batch']}, "
                   f"median of {meta['steps']} steps after {meta['warmup']} warm-up. {meta['note']}"), ""]
+        cuda = all("score_peak_cuda_MB" in r for r in res["rows"])
         head = ["method", "params", "score saved MB", "score ms", "step saved MB", "step ms", "DEQ iters",
                 "contraction", "paper: params / score-graph memory / total memory / ms per it (batch 128, GPU)"]
+        if cuda:
+            head[6:6] = ["score peak CUDA MB", "step peak CUDA MB"]
         body = []
         for row in res["rows"]:
             p = PAPER[row["method"]]
@@ -133,6 +147,8 @@ def render(results: dict) -> str:
             body.append([row["method"], f"{row['params'] / 1e6:.2f}M", f"{row['score_saved_MB']:.1f}",
                          f"{row['score_ms']:.0f}", f"{row['step_saved_MB']:.1f}", f"{row['step_ms']:.0f}", iters,
                          rate, f"{p[2]} / {p[3]} / {p[4]} / {p[1]}"])
+            if cuda:
+                body[-1][6:6] = [f"{row['score_peak_cuda_MB']:.0f}", f"{row['step_peak_cuda_MB']:.0f}"]
         lines += markdown_table(head, body)
         rows = {r["method"]: r for r in res["rows"]}
         ref, two, deq = (rows[v[0]] for v in VARIANTS)
