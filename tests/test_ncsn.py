@@ -83,9 +83,9 @@ def test_parameter_counts_at_the_paper_cifar10_size():
 
 
 # --------------------------------------------------------------------- the conditional DEQ-ResBlock
-def tiny_ncsn(backward="implicit", phantom_steps=2):
+def tiny_ncsn(backward="implicit", phantom_steps=2, norm="frobenius"):
     torch.manual_seed(3)
-    cfg = {**TIGHT, "backward": backward, "phantom_steps": phantom_steps, "enabled": True}
+    cfg = {**TIGHT, "backward": backward, "phantom_steps": phantom_steps, "enabled": True, "norm": norm}
     net = NCSN(1, SIGMAS, arch="deq", ngf=3, deq=cfg).double()
     with torch.no_grad():  # non-trivial noise-level conditioning of the DEQ map
         block = net.deq_block()
@@ -127,11 +127,14 @@ def inputs():
     return x, torch.tensor([0, 2]), v
 
 
-def test_conditional_deq_resblock_implicit_matches_a_long_unroll():
+@pytest.mark.parametrize("norm", ["frobenius", "spectral"])
+def test_conditional_deq_resblock_implicit_matches_a_long_unroll(norm):
     """Score, divergence (exact trace) and SSM-VR parameter gradients of a whole tiny DEQ-NCSN, float64:
-    deq.backward=implicit vs autograd through 300 Picard steps (rate ≤ 2/λ² = 0.5), relative error < 1e-8."""
+    deq.backward=implicit vs autograd through 300 Picard steps (rate ≤ 2/λ² = 0.5), relative error < 1e-8,
+    with either normalization of the convolutions (spectral: σ̂ enters the map parameters, so its gradient
+    is exact too)."""
     x, labels, v = inputs()
-    net, ref = tiny_ncsn(), unrolled(tiny_ncsn())
+    net, ref = tiny_ncsn(norm=norm), unrolled(tiny_ncsn(norm=norm))
     s_i, div_i, loss_i = score_div_ssmvr(net, x, labels, v)
     s_r, div_r, loss_r = score_div_ssmvr(ref, x, labels, v)
     assert net.deq_block().last_stats["converged"]

@@ -22,7 +22,12 @@ from torch import nn
 from src.deq.config import DEQConfig
 from src.deq.implicit import fixed_point
 from src.deq.maps import ConditionalResidualMap, ConvMap, DenseMap, ResidualMap, dense_map
-from src.deq.normalization import conv_lipschitz_factor, frobenius_normalize, spectral_normalize
+from src.deq.normalization import (
+    conv_lipschitz_factor,
+    conv_spectral_normalize,
+    frobenius_normalize,
+    spectral_normalize,
+)
 from src.deq.solvers import SolverResult, solve
 
 __all__ = ["ConditionalResidualDEQBlock", "ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "ResidualDEQBlock",
@@ -251,43 +256,70 @@ def _odd(kernel_size: int) -> int:
     return int(kernel_size)
 
 
-def _frobenius_only(config: DEQConfig) -> None:
-    if config.norm != "frobenius":
-        raise ValueError(f"deq.norm={config.norm!r} is implemented for dense DEQ blocks only; convolutional blocks "
-                         "use the Frobenius normalization (deq.norm=frobenius)")
+CONV_NORMS = ("frobenius", "spectral")
+SPECTRAL_PROBE = 16  # P of the P×P probe grid of the conv spectral norm (see conv_spectral_normalize)
 
 
-def _conv_normalize(kernel: torch.Tensor, norm_lambda: float, lipschitz_safe: bool) -> torch.Tensor:
-    scale = conv_lipschitz_factor(kernel) if lipschitz_safe else 1.0
-    return frobenius_normalize(kernel, norm_lambda, scale=scale)
+def _conv_norm(config: DEQConfig) -> str:
+    if config.norm not in CONV_NORMS:
+        raise ValueError(f"deq.norm={config.norm!r} is not available for convolutional DEQ blocks; valid: "
+                         f"{', '.join(CONV_NORMS)} (none is for dense blocks only: nothing would bound the map)")
+    return config.norm
 
 
-class ConvDEQBlock(DEQBlock):
+class _ConvKernels:
+    """Mixin of the convolutional blocks: normalizes each named kernel by ``deq.norm`` — Frobenius (§3.2, with
+    the √(k·k) factor when ``lipschitz_safe``) or spectral (:func:`conv_spectral_normalize`, one power step per
+    training call on the persistent probe vector ``sn_u_<kernel>``)."""
+
+    def _init_spectral(self, *names: str) -> None:
+        if self.config.norm != "spectral":
+            return
+        for name in names:
+            kernel = getattr(self, name)
+            u = torch.randn(1, kernel.shape[1], SPECTRAL_PROBE, SPECTRAL_PROBE)
+            u /= u.norm()
+            self.register_buffer(f"sn_u_{name}", u)
+            with torch.no_grad():  # start u near the top singular vector
+                conv_spectral_normalize(kernel.detach(), u, self.config.norm_lambda, n_power_iterations=30)
+
+    def _normalized(self, name: str) -> torch.Tensor:
+        kernel, lam = getattr(self, name), self.config.norm_lambda
+        if self.config.norm == "spectral":
+            u = getattr(self, f"sn_u_{name}")
+            return conv_spectral_normalize(kernel, u, lam, update=self.training and torch.is_grad_enabled())
+        scale = conv_lipschitz_factor(kernel) if self.lipschitz_safe else 1.0
+        return frobenius_normalize(kernel, lam, scale=scale)
+
+
+class ConvDEQBlock(_ConvKernels, DEQBlock):
     """Convolutional block, eq. 5 with W a convolution: f(z; y) = Softplus(conv(z, K) + g(y)), same padding,
     g default ``nn.Conv2d(in_channels, channels, kernel_size)``. ``[B, C_in, H, W] -> [B, channels, H, W]``.
 
     K is Frobenius-normalized (§3.2). With ``lipschitz_safe`` (default) also divided by sqrt(k·k): the paper's
     K/(λ‖K‖_F) bounds a k×k convolution's operator norm only by k/λ (1.5 for k = 3, λ = 2: not a contraction,
-    see :func:`src.deq.normalization.conv_lipschitz_factor`); ``lipschitz_safe=False`` is the paper's."""
+    see :func:`src.deq.normalization.conv_lipschitz_factor`); ``lipschitz_safe=False`` is the paper's.
+    ``deq.norm=spectral``: K / (λ σ̂(K)) instead, σ̂ the convolution's operator norm by power iteration."""
 
     def __init__(self, in_channels: int, channels: int, kernel_size: int = 3, injection: nn.Module | None = None,
                  config: DEQConfig | None = None, name: str = "deq", lipschitz_safe: bool = True):
         super().__init__(config, name)
-        _frobenius_only(self.config)
+        _conv_norm(self.config)
         k = _odd(kernel_size)
         self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
         self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)
         self.kernel = nn.Parameter(torch.randn(channels, channels, k, k) / math.sqrt(channels * k * k))
         self.phi = ConvMap(k // 2)
+        self._init_spectral("kernel")
 
     def state_shape(self, x):
         return (x.shape[0], self.channels, *x.shape[2:])
 
     def map_params(self, x):
-        return (self.injection(x), _conv_normalize(self.kernel, self.config.norm_lambda, self.lipschitz_safe))
+        return (self.injection(x), self._normalized("kernel"))
 
 
-class ResidualDEQBlock(DEQBlock):
+class ResidualDEQBlock(_ConvKernels, DEQBlock):
     """NCSN's DEQ-ResBlock (App. D.4): f(z; y) = h(z) + g(y), h(z) = conv(Softplus(conv(z, K₁) + b₁), K₂)
     (see :class:`src.deq.maps.ResidualMap`), both kernels normalized as in :class:`ConvDEQBlock`, so h — and
     hence f — contracts at rate ≤ λ^(−2). g default ``nn.Conv2d(in_channels, channels, kernel_size)``
@@ -296,7 +328,7 @@ class ResidualDEQBlock(DEQBlock):
     def __init__(self, in_channels: int, channels: int, kernel_size: int = 3, injection: nn.Module | None = None,
                  config: DEQConfig | None = None, name: str = "deq", lipschitz_safe: bool = True):
         super().__init__(config, name)
-        _frobenius_only(self.config)
+        _conv_norm(self.config)
         k = _odd(kernel_size)
         self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
         self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)
@@ -305,14 +337,13 @@ class ResidualDEQBlock(DEQBlock):
         self.bias1 = nn.Parameter(torch.zeros(channels))
         self.kernel2 = nn.Parameter(torch.randn(channels, channels, k, k) * scale)
         self.phi = ResidualMap(k // 2)
+        self._init_spectral("kernel1", "kernel2")
 
     def state_shape(self, x):
         return (x.shape[0], self.channels, *x.shape[2:])
 
     def map_params(self, x):
-        lam, safe = self.config.norm_lambda, self.lipschitz_safe
-        return (self.injection(x), _conv_normalize(self.kernel1, lam, safe), self.bias1,
-                _conv_normalize(self.kernel2, lam, safe))
+        return (self.injection(x), self._normalized("kernel1"), self.bias1, self._normalized("kernel2"))
 
 
 class ConditionalResidualDEQBlock(ResidualDEQBlock):
@@ -341,8 +372,7 @@ class ConditionalResidualDEQBlock(ResidualDEQBlock):
     def map_params(self, x, labels=None):
         if labels is None:
             raise ValueError(f"DEQ block '{self.name}' is conditional: call it as block(x, labels)")
-        lam, safe = self.config.norm_lambda, self.lipschitz_safe
         shift = self.bias1[None, :] + self.shift(labels)
         scale = 2.0 * torch.sigmoid(self.scale_logit(labels))
-        return (self.injection(x), _conv_normalize(self.kernel1, lam, safe), shift.to(x.dtype), scale.to(x.dtype),
-                _conv_normalize(self.kernel2, lam, safe))
+        return (self.injection(x), self._normalized("kernel1"), shift.to(x.dtype), scale.to(x.dtype),
+                self._normalized("kernel2"))
