@@ -41,6 +41,7 @@ KINDS = ("dense", "conv")
 FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "dkef": {"explicit_depth": 3, "injection": "linear"},
     "nice": {"explicit_depth": 5, "injection": "linear"},
+    "supervised": {"explicit_depth": 3, "injection": "linear"},  # the DEQ-vs-feed-forward studies (src/studies)
 }
 DEQ_DEPTH_DEFAULT = 1
 
@@ -118,13 +119,19 @@ class DEQNet(nn.Module):
     ``kind="conv"``: ``[B, C_in, H, W] → [B, out_features, H, W]``, f a ``kernel_size`` convolution,
     R (and S) 1×1 convolutions. ``deq`` is the ``deq`` config group (mapping) or a ``DEQConfig``; ``injection``
     overrides its ``injection`` key; ``family`` resolves a ``None`` injection to that family's default.
+    ``activation`` σ of the dense map (Softplus, or ReLU / identity for the supervised studies).
     """
 
     def __init__(self, in_features: int, out_features: int, width: int, *, deq: Any = None,
                  injection: str | None = None, family: str = "nice", n_layers: int = 1, kind: str = "dense",
-                 skip: bool = False, kernel_size: int = 3, name: str = "deq"):
+                 skip: bool = False, kernel_size: int = 3, name: str = "deq", activation: str = "softplus"):
         super().__init__()
         blocks = importlib.import_module("src.deq.block")  # lazy: src.models stays importable without src.deq
+        activations = importlib.import_module("src.deq.maps").ACTIVATIONS
+        if activation not in activations:
+            raise ValueError(f"activation={activation!r}: a DEQ block takes one of {', '.join(activations)}")
+        if kind == "conv" and activation != "softplus":
+            raise ValueError(f"activation={activation!r}: conv DEQ maps use Softplus")
 
         config, from_cfg = deq_settings(deq)
         self.injection_kind = resolve_injection(family, injection if injection is not None else from_cfg)
@@ -136,7 +143,7 @@ class DEQNet(nn.Module):
         g = make_injection(kind, self.injection_kind, in_features, int(width), kernel_size)
         if kind == "dense":
             self.block = blocks.DenseDEQBlock(in_features, int(width), n_layers=int(n_layers), injection=g, config=config,
-                                       name=name)
+                                              name=name, activation=activation)
             self.readout = nn.Linear(int(width), out_features)
             self.skip = nn.Linear(in_features, out_features, bias=False) if skip else None
         else:
@@ -146,8 +153,12 @@ class DEQNet(nn.Module):
             self.readout = nn.Conv2d(int(width), out_features, 1)
             self.skip = nn.Conv2d(in_features, out_features, 1, bias=False) if skip else None
 
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """The fixed point z* (before the read-out)."""
+        return self.block(x)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.readout(self.block(x))
+        out = self.readout(self.features(x))
         return out + self.skip(x) if self.skip is not None else out
 
     def extra_repr(self) -> str:

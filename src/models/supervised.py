@@ -1,6 +1,7 @@
 """Supervised networks for the DEQ-vs-feed-forward studies (*Separation and Bias of Deep Equilibrium Models*):
-an explicit MLP, a dense DEQ on the shared block (:class:`src.deq.block.DenseDEQBlock`), the diagonal linear
-DEQ and the diagonal linear network. Every net maps [B, d] → [B, out] and exposes ``features(x)`` (the
+an explicit MLP, a dense DEQ (the shared builder :class:`src.models.deq_net.DEQNet`: linear injection → one
+:class:`src.deq.block.DenseDEQBlock` → linear read-out, re-exported here), the diagonal linear DEQ and the
+diagonal linear network. Every net maps [B, d] → [B, out] and exposes ``features(x)`` (the
 representation before the linear read-out) for the feature-density heatmaps.
 
 ``depth`` means what it means elsewhere in deqsm: the number of explicit dense layers (depth − 1 hidden layers
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from src.deq.maps import ACTIVATIONS
+from src.models.deq_net import DEQNet
 
 ARCHS = ("auto", "mlp", "deq", "diag_deq", "diag_net")
 _ACT = {"relu": nn.ReLU, "softplus": nn.Softplus, "identity": nn.Identity, "tanh": nn.Tanh}
@@ -65,28 +66,6 @@ class MLP(nn.Module):
         """[(W, b), …] float64 numpy, read-out last (for the exact region counter)."""
         return [(m.weight.detach().double().numpy(), m.bias.detach().double().numpy())
                 for m in [*self.hidden_layers, self.readout]]
-
-
-class DEQNet(nn.Module):
-    """x → z* = σ(W z* + U x + c) (one :class:`DenseDEQBlock`, ``n_layers`` layers in f) → linear read-out."""
-
-    def __init__(self, in_dim: int, out_dim: int, width: int, n_layers: int = 1, activation: str = "relu",
-                 deq: Mapping | None = None):
-        super().__init__()
-        from src.deq.block import DenseDEQBlock
-        from src.models.deq_net import deq_settings
-
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation={activation!r}: a DEQ block takes one of {', '.join(ACTIVATIONS)}")
-        self.block = DenseDEQBlock(in_dim, width, n_layers=n_layers, injection=nn.Linear(in_dim, width),
-                                   config=deq_settings(deq)[0], activation=activation)
-        self.readout = nn.Linear(width, out_dim)
-
-    def features(self, x):
-        return self.block(x)
-
-    def forward(self, x):
-        return self.readout(self.features(x))
 
 
 class DiagonalLinearDEQ(nn.Module):
@@ -150,7 +129,8 @@ def build_supervised_net(in_dim: int, out_dim: int = 1, *, arch: str = "auto", d
     if arch == "diag_net":
         return DiagonalLinearNet(in_dim, bias=bias, alpha=alpha)
     if arch == "deq":
-        return DEQNet(in_dim, out_dim, int(width), n_layers=int(depth or 1), activation=activation, deq=deq)
+        return DEQNet(in_dim, out_dim, int(width), deq=deq, family="supervised", n_layers=int(depth or 1),
+                      activation=activation)
     depth = int(depth or 3)
     if match == "params":
         hidden = hidden_for_params(deq_params(in_dim, out_dim, int(width)), in_dim, out_dim, depth)
