@@ -2,6 +2,7 @@
 Learning Dynamics* (NeurIPS 2024) in one report.
 
     python benchmarks/separation_report.py [--only regions,implicit_bias,gotu,steep,signal] [--rerun]
+    python benchmarks/separation_report.py --render     # rebuild the markdown from the JSON
 
 Part 1 computes the exact checks (pure functions of ``src/studies``: no training). Part 2 runs every training
 study as the ``python -m src.train experiment=<name> …`` command a user types (one process per job, one torch
@@ -526,10 +527,22 @@ def main(argv=None):
     p.add_argument("--runs", default=str(ROOT / "outputs" / "benchmarks" / "separation"))
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--rerun", action="store_true")
+    p.add_argument("--render", action="store_true",
+                   help="run nothing: rebuild separation.md from the saved separation.json")
     args = p.parse_args(argv)
     only = set(args.only.split(","))
     out, runs = Path(args.out), Path(args.runs)
     out.mkdir(parents=True, exist_ok=True)
+    if args.render:
+        payload = json.loads((out / "separation.json").read_text())
+        made = payload.get("figures")
+        if made is None:  # a JSON written before the figure list was kept in it: the list in the markdown
+            lines = (out / "separation.md").read_text().split("## Figures", 1)[-1].splitlines()
+            made = [ln[3:-1] for ln in lines if ln.startswith("- `")]
+        # the figures themselves need the run directories (some copy a run's own plot): not redrawn here
+        (out / "separation.md").write_text(markdown(payload["jobs"], payload["exact"], made, payload["meta"]))
+        print(f"wrote {out / 'separation.md'} from {out / 'separation.json'}")
+        return
     meta = {"machine": f"{platform.machine()} {platform.processor() or ''} {os.cpu_count()} CPUs".strip(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "python": platform.python_version()}
     t0 = time.perf_counter()
@@ -545,7 +558,7 @@ def main(argv=None):
             job["wall_s"] = previous[job["run_dir"]]
         jobs.append(job)
     made = figures(jobs, exact, out)
-    payload = {"meta": meta, "exact": exact, "jobs": jobs}
+    payload = {"meta": meta, "exact": exact, "jobs": jobs, "figures": made}
     (out / "separation.json").write_text(json.dumps(payload, indent=1, default=float))
     (out / "separation.md").write_text(markdown(jobs, exact, made, meta))
     print(f"wrote {out / 'separation.md'} ({time.perf_counter() - t0:.0f} s)")
