@@ -13,8 +13,9 @@ Each variant is one ``python -m src.train`` process (the command a user types, p
 ``--eval``-type options. The wall time of a checkpoint is the training time that produced it: the profiling
 callback's summed step times, saved in the checkpoint (validation, test and start-up excluded).
 
-Resumable: a variant whose run directory holds ``metrics.json`` is not trained again (an interrupted one
-resumes from its ``last.ckpt``); a checkpoint already in the results JSON is not evaluated again. Results are
+Resumable and extendable: a variant whose run directory holds ``metrics.json`` of a run that reached
+``--steps`` is not trained again; an interrupted one, or one asked for more steps than it ran, continues from
+its ``last.ckpt``; a checkpoint already in the results JSON is not evaluated again. Results are
 rewritten after every evaluation: ``<name>.json`` (machine, commands, every point), ``<name>.md`` (one table
 per variant, a summary table) and ``<name>.png`` (each metric against steps and against wall time), plus the
 last checkpoint's sample grid per variant, ``<name>_<variant>_samples.png``, in ``--out``.
@@ -257,7 +258,8 @@ def main() -> None:
             raise SystemExit(f"unknown variant {name!r}; valid: {', '.join(grid['variants'])}")
         run_dir = (ROOT / args.runs / args.grid / slug(name)).resolve()
         run = res["runs"].setdefault(name, {"points": {}})
-        if not (run_dir / "metrics.json").is_file():
+        done = run_dir / "metrics.json"
+        if not done.is_file() or json.loads(done.read_text()).get("global_step", 0) < args.steps:
             cmd = train_command(grid, name, args, run_dir)
             run["command"] = shown([c for c in cmd if not c.startswith("ckpt_path=")])
             t0 = time.time()
