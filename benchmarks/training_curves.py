@@ -94,7 +94,7 @@ def train_command(grid: dict, variant: str, args, run_dir: Path) -> list[str]:
            "logger=csv", "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}",
            "+callbacks.step_checkpoint._target_=lightning.pytorch.callbacks.ModelCheckpoint",
            f"+callbacks.step_checkpoint.dirpath={ckpt_dir}",
-           "+callbacks.step_checkpoint.filename='step_{step:07d}'",
+           '+callbacks.step_checkpoint.filename="step_{step:07d}"',
            "+callbacks.step_checkpoint.auto_insert_metric_name=false",
            f"+callbacks.step_checkpoint.every_n_train_steps={args.every}",
            "+callbacks.step_checkpoint.save_top_k=-1", *args.extra]
