@@ -111,10 +111,11 @@ def shown(cmd: list[str]) -> str:
 
 
 def eval_overrides(grid_name: str, args) -> list[str]:
+    extra = args.eval_extra.split()
     if grid_name == "vae":
         return [f"model.metrics.fid.n_samples={args.fid_samples}",
-                f"model.evaluation.ais.test_points={args.ais_points}"]
-    return [f"model.metrics.fid.n_samples={args.fid_samples}"]
+                f"model.evaluation.ais.test_points={args.ais_points}", *extra]
+    return [f"model.metrics.fid.n_samples={args.fid_samples}", *extra]
 
 
 def checkpoint_facts(path: Path) -> dict:
@@ -229,6 +230,7 @@ def main() -> None:
     ap.add_argument("--ais-points", type=int, default=16, help="vae: AIS on the first this-many test images")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of training and evaluation")
     ap.add_argument("--extra", default="", help="extra overrides for every training job, space separated")
+    ap.add_argument("--eval-extra", default="", help="extra overrides for every checkpoint's test, space separated")
     ap.add_argument("--runs", default="outputs/benchmarks/curves")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default=None, help="result file stem (default: <grid>_mnist_curves)")
