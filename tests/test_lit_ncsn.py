@@ -107,6 +107,13 @@ def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_pa
     assert saved["test/fid"] > 0 and math.isfinite(saved["test/ssm_vr_loss"])
     assert math.isfinite(saved["best/val/dsm_loss"])
 
+    # src.evaluate re-tests the same share of the test set (the run's limit_test_batches): the same losses
+    from src.evaluate import evaluate
+
+    again_metrics = evaluate(saved["tested_checkpoint"], [f"data.root={shared_data}"])
+    for key in ("test/dsm_loss", "test/ssm_vr_loss"):
+        assert again_metrics[key] == pytest.approx(saved[key], rel=1e-5), key
+
     from src.sample import sample_from_checkpoint
 
     out = sample_from_checkpoint(run / "checkpoints" / "last.ckpt", n=5, seed=3, out=tmp_path / "s.png",
