@@ -282,14 +282,14 @@ def main() -> None:
             metrics = evaluate(ckpt, eval_overrides(args.grid, args))
             run["points"][ckpt.name] = facts | {"eval_s": time.time() - t0, "metrics": {
                 k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
-            samples = run_dir / "samples.png"
-            if samples.is_file():
-                target = f"{args.name}_{slug(name)}_samples.png"
-                Path(args.out).mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(samples, Path(args.out) / target)
-                run["samples"] = target
             save(res, args)
             print(f"{name} {ckpt.name}: evaluated in {time.time() - t0:.0f} s", flush=True)
+        samples = run_dir / "samples.png"  # the test of the last checkpoint evaluated wrote it
+        if samples.is_file():
+            target = f"{args.name}_{slug(name)}_samples.png"
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(samples, Path(args.out) / target)
+            run["samples"] = target
         save(res, args)
         if res["meta"].get("real_fid_n") != args.fid_samples:
             res["meta"]["real_fid"] = real_data_fid(run_dir, args.fid_samples, args.root)

@@ -34,8 +34,9 @@ def find_run_config(ckpt: Path) -> Path:
 
 def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     ckpt = check_checkpoint_file(ckpt_path)  # its content is checked once, as Lightning loads it
-    cfg = OmegaConf.load(find_run_config(ckpt))
-    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
+    cfg_path = find_run_config(ckpt)
+    cfg = OmegaConf.load(cfg_path)
+    run_dir = cfg_path.parent.parent  # <run dir>/.hydra/config.yaml, whichever sub-folder holds the checkpoint
     # paths.output_dir holds a ${hydra:...} interpolation when composed by Hydra: pin it to the run dir
     cfg.paths.output_dir = str(run_dir)
     if overrides:

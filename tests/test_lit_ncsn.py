@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -110,9 +111,15 @@ def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_pa
     # src.evaluate re-tests the same share of the test set (the run's limit_test_batches): the same losses
     from src.evaluate import evaluate
 
-    again_metrics = evaluate(saved["tested_checkpoint"], [f"data.root={shared_data}"])
+    # (a checkpoint kept in another sub-folder of the run, as benchmarks/training_curves.py keeps them: the
+    # results still go to the run directory)
+    (run / "kept").mkdir()
+    kept = run / "kept" / "step.ckpt"
+    shutil.copyfile(saved["tested_checkpoint"], kept)
+    again_metrics = evaluate(kept, [f"data.root={shared_data}"])
     for key in ("test/dsm_loss", "test/ssm_vr_loss"):
         assert again_metrics[key] == pytest.approx(saved[key], rel=1e-5), key
+    assert (run / "eval_metrics.json").is_file() and not (run / "kept" / "eval_metrics.json").exists()
 
     from src.sample import sample_from_checkpoint
 
