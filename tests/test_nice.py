@@ -130,8 +130,8 @@ def test_deq_factory_is_picklable_without_importing_deq():
 
 
 def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
-    """The factory builds DEQNet(injection → DenseDEQBlock(in, width, n_layers, injection, config, name) →
-    Linear(width, out)) with the announced src.deq API (a stand-in block here)."""
+    """The factory builds DEQNet(injection → DenseDEQBlock(in, width, n_layers, injection, config, name,
+    activation) → Linear(width, out)) with the announced src.deq API (a stand-in block here)."""
     import dataclasses
     import sys
     import types
@@ -143,9 +143,9 @@ def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
         injection: str | None = None
 
     class DenseDEQBlock(nn.Module):
-        def __init__(self, in_dim, width, n_layers=1, injection=None, config=None, name="deq"):
+        def __init__(self, in_dim, width, n_layers=1, injection=None, config=None, name="deq", activation="softplus"):
             super().__init__()
-            self.args = (in_dim, width, n_layers, config, name)
+            self.args = (in_dim, width, n_layers, config, name, activation)
             self.injection = injection
 
         def forward(self, x):
@@ -155,8 +155,8 @@ def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
     monkeypatch.setitem(sys.modules, "src.deq.config", types.SimpleNamespace(DEQConfig=DEQConfig))
     model = NICE(dim=9, coupling_net=deq_coupling_factory(6, {"enabled": True, "tol": 1e-9}, n_layers=2)).double()
     assert [m.block.args for m in model.couplings] == [
-        (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.0"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.1"),
-        (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.2"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.3"),
+        (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.0", "softplus"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.1", "softplus"),
+        (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.2", "softplus"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.3", "softplus"),
     ]
     first = model.couplings[0]
     assert type(first.block.injection).__name__ == "Linear"  # NICE default: g = Ux + c (linear injection)

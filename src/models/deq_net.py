@@ -127,11 +127,12 @@ class DEQNet(nn.Module):
                  skip: bool = False, kernel_size: int = 3, name: str = "deq", activation: str = "softplus"):
         super().__init__()
         blocks = importlib.import_module("src.deq.block")  # lazy: src.models stays importable without src.deq
-        activations = importlib.import_module("src.deq.maps").ACTIVATIONS
-        if activation not in activations:
-            raise ValueError(f"activation={activation!r}: a DEQ block takes one of {', '.join(activations)}")
-        if kind == "conv" and activation != "softplus":
-            raise ValueError(f"activation={activation!r}: conv DEQ maps use Softplus")
+        if activation != "softplus":  # (the default needs no check, nor an import of src.deq.maps)
+            activations = importlib.import_module("src.deq.maps").ACTIVATIONS
+            if activation not in activations:
+                raise ValueError(f"activation={activation!r}: a DEQ block takes one of {', '.join(activations)}")
+            if kind == "conv":
+                raise ValueError(f"activation={activation!r}: conv DEQ maps use Softplus")
 
         config, from_cfg = deq_settings(deq)
         self.injection_kind = resolve_injection(family, injection if injection is not None else from_cfg)
