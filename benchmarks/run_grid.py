@@ -300,8 +300,7 @@ def to_markdown(results, columns, meta) -> str:
             ok = finished_rows(rows, g, method)
             paper = PAPER.get((g, base_method(method)))
             ptxt = " / ".join(f"{v:g}" for v in paper if v is not None) if paper else "—"
-            label = method + (" (committed, not re-run)" if ok and all(r.get("not_rerun") for r in ok)
-                              and method.startswith("DEQ") else "")
+            label = method + (" (committed, not re-run)" if ok and all(r.get("not_rerun") for r in ok) else "")
             body.append([label, str(len(ok))] + [fmt([r["metrics"].get(k) for r in ok], d, k) for k, _, d in has]
                         + [ptxt])
         lines += [f"### {g}", "", *markdown_table(head, body)]
