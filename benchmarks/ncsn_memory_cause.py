@@ -44,7 +44,7 @@ from src.models.ncsn import (
     conv3x3,
     geometric_sigmas,
 )
-from src.reporting import markdown_table
+from src.reporting import markdown_table, rerender, write_results
 
 MB = 2**20
 
@@ -139,9 +139,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--render", action="store_true")
     args = ap.parse_args()
-    path = args.out / "ncsn_memory_cause.json"
     if args.render:
-        (args.out / "ncsn_memory_cause.md").write_text(render(json.loads(path.read_text())))
+        rerender(args.out, "ncsn_memory_cause", render)
         return
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -161,9 +160,7 @@ def main() -> None:
         f" --batch {args.batch}" if args.batch != 2 else "") + (f" --ngf {args.ngf}" if args.ngf != 128 else ""),
         "machine": f"{platform.machine()} CPU", "torch": torch.__version__, "batch": args.batch, "ngf": args.ngf},
         "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1))
-    (args.out / "ncsn_memory_cause.md").write_text(render(res))
+    write_results(args.out, "ncsn_memory_cause", res, render)
 
 
 if __name__ == "__main__":

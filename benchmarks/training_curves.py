@@ -38,7 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.reporting import figure, markdown_table
+from src.reporting import figure, markdown_table, write_results
 
 # name -> (overrides, Lightning optimiser steps per model iteration)
 GRIDS = {
@@ -150,13 +150,8 @@ def real_data_fid(run_dir: Path, n: int, root: str) -> float:
 
 
 def save(res: dict, args) -> None:
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / f"{args.name}.json.tmp"
-    tmp.write_text(json.dumps(res, indent=1, sort_keys=False))
-    os.replace(tmp, out / f"{args.name}.json")
-    (out / f"{args.name}.md").write_text(render(res))
-    plot(res, out / f"{args.name}.png")
+    write_results(args.out, args.name, res, render)
+    plot(res, Path(args.out) / f"{args.name}.png")
 
 
 def _fmt(fmt: str, value) -> str:
@@ -252,8 +247,10 @@ def main() -> None:
     from src.evaluate import evaluate
 
     res = json.loads(res_path.read_text()) if res_path.is_file() else {"runs": {}}
+    kept = {k: v for k, v in res.get("meta", {}).items() if k in ("real_fid", "real_fid_n")}  # not recomputed
     res["meta"] = {"grid": args.grid, "experiment": grid["experiment"], "machine": machine_facts(args.threads),
-                   "command": shown(["python", *sys.argv]), "eval_overrides": eval_overrides(args.grid, args)}
+                   "command": shown(["python", *sys.argv]), "eval_overrides": eval_overrides(args.grid, args),
+                   **kept}
     names = args.variants.split(",") if args.variants else list(grid["variants"])
     for name in names:
         if name not in grid["variants"]:

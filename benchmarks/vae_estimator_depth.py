@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from src.models.vae import ConditionalScore, ScoreEstimator
 from src.objectives.ssm import ssm
-from src.reporting import markdown_table
+from src.reporting import markdown_table, rerender, write_results
 
 D, DZ = 784, 8
 
@@ -78,9 +78,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     ap.add_argument("--render", action="store_true")
     args = ap.parse_args()
-    path = args.out / "vae_estimator_depth.json"
     if args.render:
-        (args.out / "vae_estimator_depth.md").write_text(render(json.loads(path.read_text())))
+        rerender(args.out, "vae_estimator_depth", render)
         return
     torch.set_num_threads(1)
     rows = []
@@ -90,9 +89,7 @@ def main() -> None:
             print(json.dumps(rows[-1]), flush=True)
     res = {"meta": {"command": "python benchmarks/vae_estimator_depth.py", "machine": f"{platform.machine()} CPU",
                     "torch": torch.__version__, "steps": args.steps, "width": args.width}, "rows": rows}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(res, indent=1))
-    (args.out / "vae_estimator_depth.md").write_text(render(res))
+    write_results(args.out, "vae_estimator_depth", res, render)
 
 
 if __name__ == "__main__":

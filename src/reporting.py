@@ -11,6 +11,8 @@ a table can be rebuilt from a saved JSON file without the run directories.
   (that for every column), :func:`format_summary` (the ``mean ± std`` cell: bytes shown in MB, std only when
   there are at least two values);
 - markdown: :func:`markdown_table`;
+- result files: :func:`write_results` (``<stem>.json`` atomically, then ``<stem>.md`` rendered from it) and
+  :func:`rerender` (the markdown again from a saved JSON, the benchmarks' ``--render``);
 - figures: :func:`figure` (headless matplotlib, ``tight_layout``, save, close).
 """
 
@@ -33,9 +35,11 @@ __all__ = [
     "markdown_table",
     "parse_overrides",
     "read_overrides",
+    "rerender",
     "scale_of",
     "summarise",
     "summarise_metrics",
+    "write_results",
 ]
 
 MISSING = "—"  # a cell with no finite value
@@ -120,6 +124,25 @@ def markdown_table(head: list[str], rows: Iterable[list[str]]) -> list[str]:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     lines += ["| " + " | ".join(str(c) for c in cells) + " |" for cells in rows]
     return lines
+
+
+# ------------------------------------------------------------------------------------- result files
+def write_results(out: Path, stem: str, res: dict, render: Callable[[dict], str]) -> None:
+    """``<out>/<stem>.json`` (written to a temporary file and renamed: a killed run never leaves half a file)
+    and ``<out>/<stem>.md`` = ``render(res)``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{stem}.json.tmp"
+    tmp.write_text(json.dumps(res, indent=1))
+    tmp.replace(out / f"{stem}.json")
+    (out / f"{stem}.md").write_text(render(res))
+
+
+def rerender(out: Path, stem: str, render: Callable[[dict], str]) -> dict:
+    """Rewrite ``<out>/<stem>.md`` from the saved ``<out>/<stem>.json`` (nothing is run); return the JSON."""
+    res = json.loads((Path(out) / f"{stem}.json").read_text())
+    (Path(out) / f"{stem}.md").write_text(render(res))
+    return res
 
 
 # ------------------------------------------------------------------------------------------ figures
