@@ -44,12 +44,13 @@ def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
+    test_share = cfg.trainer.get("limit_test_batches")
     trainer = L.Trainer(
         accelerator=cfg.trainer.get("accelerator", "cpu"), devices=1, logger=False, inference_mode=False,
         precision=cfg.trainer.get("precision", "32-true"),  # the run's precision: float64 runs stay float64
         # the run's share of the test set (e.g. experiment=ncsn_mnist tests 2 batches): the same metrics as its
         # own test, and not the whole test set at 10 noise levels x (DSM + SSM-VR) each
-        limit_test_batches=cfg.trainer.get("limit_test_batches") or 1.0,
+        limit_test_batches=1.0 if test_share is None else test_share,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO()],
     )
