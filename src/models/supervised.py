@@ -17,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from src.models.deq_net import DEQNet
+from src.models.deq_net import DEQNet, resolve_depth
 
 ARCHS = ("auto", "mlp", "deq", "diag_deq", "diag_net")
 _ACT = {"relu": nn.ReLU, "softplus": nn.Softplus, "identity": nn.Identity, "tanh": nn.Tanh}
@@ -129,9 +129,9 @@ def build_supervised_net(in_dim: int, out_dim: int = 1, *, arch: str = "auto", d
     if arch == "diag_net":
         return DiagonalLinearNet(in_dim, bias=bias, alpha=alpha)
     if arch == "deq":
-        return DEQNet(in_dim, out_dim, int(width), deq=deq, family="supervised", n_layers=int(depth or 1),
-                      activation=activation)
-    depth = int(depth or 3)
+        return DEQNet(in_dim, out_dim, int(width), deq=deq, family="supervised",
+                      n_layers=resolve_depth("supervised", depth, True), activation=activation)
+    depth = resolve_depth("supervised", depth, False)
     if match == "params":
         hidden = hidden_for_params(deq_params(in_dim, out_dim, int(width)), in_dim, out_dim, depth)
     elif match == "neurons":
