@@ -15,7 +15,7 @@ from typing import Any
 
 import lightning.pytorch as L
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import AtomicCheckpointIO, check_checkpoint_file
 from src.train import _print_metrics, write_json_atomic
@@ -32,15 +32,22 @@ def find_run_config(ckpt: Path) -> Path:
     )
 
 
-def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
-    ckpt = check_checkpoint_file(ckpt_path)  # its content is checked once, as Lightning loads it
+def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None) -> tuple[Path, DictConfig, Path]:
+    """The checkpoint (its file checked), its run's composed config with ``overrides`` merged, and the run
+    directory (the parent of ``.hydra/``, whichever sub-folder of it holds the checkpoint)."""
+    ckpt = check_checkpoint_file(ckpt_path)
     cfg_path = find_run_config(ckpt)
     cfg = OmegaConf.load(cfg_path)
-    run_dir = cfg_path.parent.parent  # <run dir>/.hydra/config.yaml, whichever sub-folder holds the checkpoint
+    run_dir = cfg_path.parent.parent
     # paths.output_dir holds a ${hydra:...} interpolation when composed by Hydra: pin it to the run dir
     cfg.paths.output_dir = str(run_dir)
     if overrides:
         cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+    return ckpt, cfg, run_dir
+
+
+def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+    ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides)  # content checked once, as Lightning loads it
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)

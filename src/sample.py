@@ -19,25 +19,18 @@ from pathlib import Path
 import lightning.pytorch as L
 import torch
 from hydra.utils import instantiate
-from omegaconf import OmegaConf
 
-from src.checkpoints import check_checkpoint_file, load_checked
-from src.evaluate import find_run_config
+from src.checkpoints import load_checked
+from src.evaluate import run_of_checkpoint
 
 _OWN_KEYS = ("ckpt_path", "n", "seed", "out")
 
 
-def sample_from_checkpoint(ckpt_path: str | Path, n: int = 64, seed: int = 0, out: str | Path | None = None,
-                           overrides: list[str] | None = None) -> Path:
-    """Samples of the model in ``ckpt_path``: returns the PNG path (the ``.pt`` tensor lies beside it)."""
-    if int(n) < 1:
-        raise ValueError(f"n={n}: ask for at least one sample")
-    ckpt = check_checkpoint_file(ckpt_path)
-    cfg = OmegaConf.load(find_run_config(ckpt))
-    run_dir = ckpt.parent.parent if ckpt.parent.name == "checkpoints" else ckpt.parent
-    cfg.paths.output_dir = str(run_dir)
-    if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+def load_module(ckpt_path: str | Path, overrides: list[str] | None = None):
+    """The LightningModule of ``ckpt_path`` with its weights loaded (EMA-averaged for ``ema=true`` runs), in
+    eval mode and the run's precision, with its data module set up for testing: ``(module, datamodule,
+    config, run directory)``."""
+    ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides)
     L.seed_everything(int(cfg.seed), workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)
@@ -50,13 +43,22 @@ def sample_from_checkpoint(ckpt_path: str | Path, n: int = 64, seed: int = 0, ou
     datamodule.setup("test")
     model.attach_datamodule(datamodule)
     model.eval()
+    return model, datamodule, cfg, run_dir
+
+
+def sample_from_checkpoint(ckpt_path: str | Path, n: int = 64, seed: int = 0, out: str | Path | None = None,
+                           overrides: list[str] | None = None) -> Path:
+    """Samples of the model in ``ckpt_path``: returns the PNG path (the ``.pt`` tensor lies beside it)."""
+    if int(n) < 1:
+        raise ValueError(f"n={n}: ask for at least one sample")
+    model, datamodule, _, run_dir = load_module(ckpt_path, overrides)
     images = model.sample_pixels(int(n), seed=int(seed))
     if images is None:
         raise ValueError(f"{type(model).__name__} does not generate samples (or {type(datamodule).__name__} "
                          "holds no images)")
     from src.callbacks.samples import save_image_grid
 
-    path = Path(out) if out is not None else run_dir / f"samples_{ckpt.stem}.png"
+    path = Path(out) if out is not None else run_dir / f"samples_{Path(ckpt_path).stem}.png"
     save_image_grid(images, path)
     torch.save(images, path.with_suffix(".pt"))
     print(f"{images.shape[0]} samples -> {path} (+ {path.with_suffix('.pt').name})")

@@ -28,7 +28,8 @@ def langevin_step_sizes(sigmas: torch.Tensor, step_lr: float) -> torch.Tensor:
 @torch.no_grad()
 def annealed_langevin(score_fn: ScoreFn, x0: torch.Tensor, sigmas: Sequence[float] | torch.Tensor, *,
                       n_steps_each: int = 100, step_lr: float = 2e-5, denoise: bool = False,
-                      generator: torch.Generator | None = None) -> torch.Tensor:
+                      generator: torch.Generator | None = None,
+                      on_level_end: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
     """Run annealed Langevin dynamics from ``x0`` and return the final samples (see the module docstring).
 
     Args:
@@ -39,6 +40,8 @@ def annealed_langevin(score_fn: ScoreFn, x0: torch.Tensor, sigmas: Sequence[floa
         step_lr: ε, the step size at the last level.
         denoise: add the final denoising step x + σ_L²·s(x, L).
         generator: for the Langevin noise (reproducible samples).
+        on_level_end: called as ``on_level_end(i, x)`` after the T steps of level i (diagnostics of the
+            trajectory, e.g. ``benchmarks/ncsn_sampler_drift.py``); it must not change ``x``.
     """
     if int(n_steps_each) < 1 or float(step_lr) <= 0:
         raise ValueError(f"annealed Langevin needs n_steps_each >= 1 and step_lr > 0, got {n_steps_each}, {step_lr}")
@@ -52,6 +55,8 @@ def annealed_langevin(score_fn: ScoreFn, x0: torch.Tensor, sigmas: Sequence[floa
         for _ in range(int(n_steps_each)):
             z = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
             x = x + (alpha / 2) * score_fn(x, labels) + alpha**0.5 * z
+        if on_level_end is not None:
+            on_level_end(i, x)
     if denoise:
         labels = torch.full((x.shape[0],), sig.numel() - 1, dtype=torch.long, device=x.device)
         x = x + float(sig[-1]) ** 2 * score_fn(x, labels)

@@ -71,3 +71,27 @@ def test_annealed_langevin_checks_its_arguments():
         annealed_langevin(lambda x, i: x, torch.zeros(2, 1), [1.0, 0.1], n_steps_each=0)
     with pytest.raises(ValueError):
         annealed_langevin(lambda x, i: x, torch.zeros(2, 1), [1.0, -0.1])
+
+
+def test_on_level_end_sees_each_level_of_the_chain():
+    """The hook gets the state after each level's T steps: its mean and variance follow the recursion level by
+    level (the diagnostics of benchmarks/ncsn_sampler_drift.py rely on it), and it does not change the run."""
+    sigmas = geometric_sigmas(1.0, 0.01, 4)
+    seen = []
+    x0 = torch.rand(N, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    x = annealed_langevin(gaussian_score(sigmas), x0, sigmas, n_steps_each=20, step_lr=1e-4,
+                          generator=torch.Generator().manual_seed(2),
+                          on_level_end=lambda i, xi: seen.append((i, xi.mean().item(), xi.var().item())))
+    same = annealed_langevin(gaussian_score(sigmas), x0, sigmas, n_steps_each=20, step_lr=1e-4,
+                             generator=torch.Generator().manual_seed(2))
+    assert torch.equal(x, same)
+    assert [i for i, _, _ in seen] == [0, 1, 2, 3]
+    m, v = 0.5, 1 / 12
+    for (i, mean, var), s in zip(seen, sigmas.tolist()):
+        alpha = 1e-4 * (s / sigmas[-1].item()) ** 2
+        a = 1 - alpha / (2 * (S**2 + s**2))
+        for _ in range(20):
+            m, v = a * m + (1 - a) * MU, a * a * v + alpha
+        assert abs(mean - m) < 5 * math.sqrt(v / (N * D)), i
+        assert abs(var - v) < 5 * v * math.sqrt(2 / (N * D - 1)), i
+    assert seen[-1][1] == x.mean().item()
