@@ -18,7 +18,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src.checkpoints import AtomicCheckpointIO, check_checkpoint_file
-from src.train import _print_metrics, write_json_atomic
+from src.train import _print_metrics, set_float_environment, write_json_atomic
 
 
 def find_run_config(ckpt: Path) -> Path:
@@ -48,6 +48,7 @@ def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None)
 
 def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
     ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides)  # content checked once, as Lightning loads it
+    set_float_environment(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)

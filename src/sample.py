@@ -22,6 +22,7 @@ from hydra.utils import instantiate
 
 from src.checkpoints import load_checked
 from src.evaluate import run_of_checkpoint
+from src.train import set_float_environment
 
 _OWN_KEYS = ("ckpt_path", "n", "seed", "out")
 
@@ -31,6 +32,7 @@ def load_module(ckpt_path: str | Path, overrides: list[str] | None = None):
     eval mode and the run's precision, with its data module set up for testing: ``(module, datamodule,
     config, run directory)``."""
     ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides)
+    set_float_environment(cfg)
     L.seed_everything(int(cfg.seed), workers=True)
     datamodule = instantiate(cfg.data)
     model = instantiate(cfg.model)

@@ -75,6 +75,15 @@ def validate_config(cfg: DictConfig) -> None:
         )
 
 
+def set_float_environment(cfg: DictConfig) -> None:
+    """Process-wide float settings of a run: ``flush_denormal`` (conf/train.yaml says why). Called first thing
+    in a run: the CPU flag is per thread, and the intra-op thread pool inherits it only if it is created after
+    (measured: set after a 2-thread op had built the pool, half the results stayed subnormal)."""
+    flush = bool(cfg.get("flush_denormal", True))
+    if not torch.set_flush_denormal(flush) and flush:
+        log.warning("flush_denormal=true is not supported by this CPU (needs SSE3); subnormal floats stay slow")
+
+
 def follow_optimization_mode(trainer_cfg: DictConfig, model: L.LightningModule) -> DictConfig:
     """The trainer config for ``model``'s optimisation mode. Lightning refuses ``gradient_clip_val`` with
     manual optimisation (a family with alternating updates); then the clipping moves into the model, whose
@@ -108,6 +117,7 @@ def _wandb_group(cfg: DictConfig) -> str | None:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train and test one configuration; return the metrics written to ``metrics.json``."""
     validate_config(cfg)
+    set_float_environment(cfg)
     L.seed_everything(cfg.seed, workers=True)
     out_dir = _output_dir(cfg)
 

@@ -111,3 +111,20 @@ def test_missing_data_file_error_names_file(tmp_path):
     )
     with pytest.raises(FileNotFoundError, match="winequality-red.csv"):
         train(cfg)
+
+
+@pytest.mark.parametrize("flush", [True, False])
+def test_flush_denormal_setting_reaches_torch(tmp_path, flush):
+    """``flush_denormal`` (default true) makes float32 subnormals zero, false keeps gradual underflow."""
+    import torch
+
+    from src.train import set_float_environment
+
+    cfg = compose_train([*FAST, "model=dkef"] + ([] if flush else ["flush_denormal=false"]), tmp_path)
+    assert cfg.flush_denormal is flush
+    try:
+        set_float_environment(cfg)
+        tiny = torch.tensor([1e-39], dtype=torch.float32) * 1.0  # a subnormal float32
+        assert (tiny.item() == 0.0) is flush
+    finally:
+        torch.set_flush_denormal(False)
