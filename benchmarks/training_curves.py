@@ -149,6 +149,25 @@ def real_data_fid(run_dir: Path, n: int, root: str) -> float:
     return float(fid.compute())
 
 
+def evaluate_final(run: dict, run_dir: Path, args, evaluate) -> None:
+    """vae: the last checkpoint again with AIS on ``--final-ais-points`` test images (mean ± standard error
+    over images), kept as ``run["final"]``; not repeated when the JSON holds it for that checkpoint and size."""
+    ckpts = sorted((run_dir / "step_checkpoints").glob("step_*.ckpt"))
+    if not ckpts:
+        return
+    last, n = ckpts[-1], int(args.final_ais_points)
+    done = run.get("final") or {}
+    if done.get("checkpoint") == last.name and done.get("ais_points") == n:
+        return
+    overrides = [o for o in eval_overrides("vae", args) if not o.startswith("model.evaluation.ais.test_points=")]
+    t0 = time.time()
+    metrics = evaluate(last, [*overrides, f"model.evaluation.ais.test_points={n}"])
+    run["final"] = checkpoint_facts(last) | {"checkpoint": last.name, "ais_points": n, "eval_s": time.time() - t0,
+                                             "metrics": {k: v for k, v in metrics.items()
+                                                         if isinstance(v, (int, float))}}
+    print(f"{last.name}: AIS on {n} test images in {time.time() - t0:.0f} s", flush=True)
+
+
 def save(res: dict, args) -> None:
     write_results(args.out, args.name, res, render)
     plot(res, Path(args.out) / f"{args.name}.png")
@@ -178,6 +197,23 @@ def render(res: dict) -> str:
                              for k, _, f in SUMMARY)])
     lines += ["## Variants", "", *markdown_table(head, rows), "", "Training commands:", "", "```bash",
               *(run["command"] for run in res["runs"].values() if run.get("command")), "```", ""]
+    finals = {name: run["final"] for name, run in res["runs"].items() if run.get("final")}
+    if finals:
+        ref = res["runs"].get("Aug(16)-SSM VAE", {}).get("train", {}).get("profile/saved_bytes_mean")
+        head = ["variant", "step", "AIS log p(x) ± s.e.", "images", "FID", "recon −log p(x\\|z)", "saved MB / step",
+                "saved bytes / Aug(16)'s"]
+        rows = []
+        for name, f in finals.items():
+            m, saved = f["metrics"], res["runs"][name].get("train", {}).get("profile/saved_bytes_mean")
+            ll, se = m.get("test/log_likelihood"), m.get("test/log_likelihood_stderr")
+            rows.append([name, f["step"], "—" if ll is None else f"{ll:.2f} ± {se:.2f}" if se else f"{ll:.2f}",
+                         f["ais_points"], _fmt("{:.1f}", m.get("test/fid")), _fmt("{:.2f}", m.get("test/recon_error")),
+                         _fmt("{:.1f}", saved / 1e6 if saved else None),
+                         _fmt("{:.2f}", saved / ref if saved and ref else None)])
+        lines += ["## Last checkpoint, AIS on more test images", "",
+                  ("The last checkpoint of each variant tested again with AIS on the first N test images (the same "
+                  "images for every variant, so differences between rows are paired and vary less than the "
+                  "standard errors over images suggest)."), "", *markdown_table(head, rows), ""]
     for name, run in res["runs"].items():
         pts = sorted(run.get("points", {}).values(), key=lambda p: p["step"])
         if not pts:
@@ -223,6 +259,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fid-samples", type=int, default=1000)
     ap.add_argument("--ais-points", type=int, default=16, help="vae: AIS on the first this-many test images")
+    ap.add_argument("--final-ais-points", type=int, default=0,
+                    help="vae: test the last checkpoint again with AIS on this many test images (0: not)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads of training and evaluation")
     ap.add_argument("--extra", default="", help="extra overrides for every training job, space separated")
     ap.add_argument("--eval-extra", default="", help="extra overrides for every checkpoint's test, space separated")
@@ -281,6 +319,9 @@ def main() -> None:
                 k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
             save(res, args)
             print(f"{name} {ckpt.name}: evaluated in {time.time() - t0:.0f} s", flush=True)
+        if args.final_ais_points and args.grid == "vae":
+            evaluate_final(run, run_dir, args, evaluate)
+            save(res, args)
         samples = run_dir / "samples.png"  # the test of the last checkpoint evaluated wrote it
         if samples.is_file():
             target = f"{args.name}_{slug(name)}_samples.png"

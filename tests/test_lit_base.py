@@ -199,3 +199,25 @@ def test_optimized_metric_defaults_to_the_familys_monitor():
     assert (cfg.optimized_metric, cfg.optimized_metric_mode) == ("val/dsm_loss", "max")
     cfg = compose_train(["model=dkef", "+model.monitor=val/dsm_loss", "optimized_metric=test/fid"])
     assert cfg.optimized_metric == "test/fid" and cfg.callbacks.model_checkpoint.monitor == "test/fid"
+
+
+def test_log_likelihood_metric_reports_mean_and_stderr_over_test_points():
+    """``test/<name>_stderr`` is the standard error over test points, accumulated over batches: the unbiased
+    standard deviation of all per-point values / √n (what a paired or unpaired comparison of runs needs)."""
+    from src.metrics.evaluation import LogLikelihood
+
+    values = torch.tensor([-3.0, -1.0, -4.0, -1.5, -9.0, -2.5, -6.0], dtype=torch.float64)
+
+    class Family:
+        def log_likelihood_metrics(self, x):
+            return {"log_likelihood": values[x.long()]}
+
+        def log_likelihood_constants(self):
+            return {}
+
+    metric = LogLikelihood()
+    for idx in (torch.arange(0, 3), torch.arange(3, 7)):
+        metric.update(Family(), idx.float(), "test")
+    out = metric.compute(Family(), "test")
+    assert abs(out["test/log_likelihood"] - values.mean().item()) < 1e-12
+    assert abs(out["test/log_likelihood_stderr"] - (values.std() / 7 ** 0.5).item()) < 1e-12

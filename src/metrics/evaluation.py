@@ -192,7 +192,8 @@ class GroundTruthMetrics(EvalMetric):
 
 class LogLikelihood(EvalMetric):
     """The family's likelihood metrics: ``module.log_likelihood_metrics(x) -> {name: [B] tensor}`` averaged
-    over the test set (NICE: exact log p and bits/dim; DKEF: log p̃ − log Ẑ with Ẑ by importance sampling)."""
+    over the test set with their standard errors over test points (NICE: exact log p and bits/dim; DKEF:
+    log p̃ − log Ẑ with Ẑ by importance sampling; VAE: AIS)."""
 
     name = "log_likelihood"
     stages = ("test",)
@@ -210,7 +211,10 @@ class LogLikelihood(EvalMetric):
             self.parts[key].update(v)
 
     def compute(self, module, stage):
-        out = {f"test/{k}": acc.compute()[0] for k, acc in self.parts.items()}
+        out = {}
+        for k, acc in self.parts.items():
+            m, se, _ = acc.compute()
+            out[f"test/{k}"], out[f"test/{k}_stderr"] = m, se  # stderr over test points (not of the estimator)
         out.update(module.log_likelihood_constants())
         return out
 
