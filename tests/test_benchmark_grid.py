@@ -147,7 +147,12 @@ def _benchmark(name: str):
 
 @pytest.mark.parametrize("name, stem", [("ncsn_memory", "ncsn_memory"), ("ncsn_memory_cause", "ncsn_memory_cause"),
                                         ("vae_memory", "vae_memory"), ("training_curves", "vae_mnist_curves"),
-                                        ("training_curves", "ncsn_mnist_curves")])
+                                        ("training_curves", "ncsn_mnist_curves"),
+                                        ("training_curves", "vae_mnist_curves_score_lr1e-4"),
+                                        ("training_curves", "vae_mnist_curves_lr1e-4"),
+                                        ("training_curves", "ncsn_mnist_curves_spectral_k8"),
+                                        ("ncsn_sampler_drift", "ncsn_sampler_drift"),
+                                        ("ncsn_phantom_bias", "ncsn_phantom_bias")])
 def test_other_committed_benchmark_tables_rebuild_exactly_from_their_json(name, stem):
     """Every committed benchmark table is a pure function of its JSON (no hand edits, nothing lost)."""
     if not (RESULTS / f"{stem}.json").exists():
