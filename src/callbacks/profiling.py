@@ -50,7 +50,13 @@ class SavedTensorsMeter:
                 self.bytes += t.untyped_storage().nbytes()
             except (RuntimeError, NotImplementedError):
                 self.bytes += t.numel() * t.element_size()
-        return t
+        # Keep a detached alias, never ``t`` itself: ``t`` carries its grad_fn, and for a tensor saved as an
+        # output of its own node (the implicit DEQ's fixed point and adjoints) that node would then own a
+        # reference to itself — a cycle through C++ that gc cannot break for graphs never backpropagated
+        # (the implicit backward's adjoint nodes): every implicit-mode step leaked its graph (≈ 70 MB per
+        # DEQ-NCSN step). Lossless: autograd re-attaches the grad_fn on unpack (PyTorch's saved-tensors-hooks
+        # notes detach in the pack hook for this reason). tests/test_profiling.py
+        return t.detach()
 
     @staticmethod
     def _unpack(t):
