@@ -95,3 +95,10 @@ def test_image_experiments_compose_to_the_benchmarked_models(exp, shape):
         assert tuple(model.hparams.image_shape) == shape and isinstance(model.decoder.log_sigma, torch.nn.Parameter)
         counts.append(sum(p.numel() for p in model.parameters()))
     assert tuple(counts) == expected[exp]
+
+
+def test_negative_entropy_weight_is_refused():
+    from src.lit.vae import VAELitModule
+
+    with pytest.raises(ValueError, match="entropy_weight must be >= 0"):
+        VAELitModule(image_shape=[1, 28, 28], loss={"name": "ssm"}, entropy_weight=-1.0)

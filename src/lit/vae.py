@@ -56,6 +56,7 @@ class VAELitModule(DeqsmModule):
         log_sigma: float = 0.0,
         learn_sigma: bool = False,
         score_steps: int = 1,
+        entropy_weight: float = 1.0,
         projection: str | None = "gaussian",
         input_dim: int | None = None,
         optimizer: Mapping | None = None,
@@ -74,6 +75,9 @@ class VAELitModule(DeqsmModule):
         self.latent_dim, self.score_steps, self.n_samples_grid = int(latent_dim), int(score_steps), n_samples_grid
         if self.score_steps < 1:
             raise ValueError(f"model.score_steps must be >= 1, got {score_steps}")
+        self.entropy_weight = float(entropy_weight)
+        if not self.entropy_weight >= 0:
+            raise ValueError(f"model.entropy_weight must be >= 0 (1: the ELBO, 0: no entropy term), got {entropy_weight}")
         self.encoder = ImplicitEncoder(image_shape, latent_dim, arch=arch, hidden=hidden, channels=enc_channels,
                                        noise_dim=noise_dim)
         self.decoder = Decoder(image_shape, latent_dim, arch=arch, likelihood=likelihood, hidden=hidden,
@@ -105,7 +109,7 @@ class VAELitModule(DeqsmModule):
         z = self.encoder(x)
         with torch.no_grad():
             s = self.score_net(z.detach(), x)
-        total, rec, prior = surrogate_negative_elbo(self.decoder, x, z, s)
+        total, rec, prior = surrogate_negative_elbo(self.decoder, x, z, s, self.entropy_weight)
         loss = total.mean()
         self.manual_update("vae", loss)
         b = x.shape[0]

@@ -287,8 +287,14 @@ def entropy_surrogate(score: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
     return (score.detach() * z).flatten(1).sum(-1)
 
 
-def surrogate_negative_elbo(decoder: Decoder, x: torch.Tensor, z: torch.Tensor, score: torch.Tensor):
-    """Per-sample −log p(x|z) − log p(z) + ⟨stop-grad(s), z⟩ and its parts (reconstruction, prior)."""
+def surrogate_negative_elbo(decoder: Decoder, x: torch.Tensor, z: torch.Tensor, score: torch.Tensor,
+                            entropy_weight: float = 1.0):
+    """Per-sample −log p(x|z) − log p(z) + w·⟨stop-grad(s), z⟩ and its parts (reconstruction, prior).
+
+    w = ``entropy_weight`` = 1 is the ELBO (paper §4.1); w = 0 drops the entropy term, the ablation that
+    shows what the score estimator contributes (the encoder then trains on reconstruction + prior only)."""
     rec = -decoder.log_prob(x, z)
     prior = -prior_log_prob(z)
-    return rec + prior + entropy_surrogate(score, z), rec, prior
+    if entropy_weight == 0:
+        return rec + prior, rec, prior
+    return rec + prior + entropy_weight * entropy_surrogate(score, z), rec, prior
