@@ -90,7 +90,7 @@ def render(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", action="append", default=[], help="LABEL=PATH of a DEQ-NCSN checkpoint (repeatable)")
+    ap.add_argument("--ckpt", action="append", default=[], help="LABEL=PATH of a DEQ-NCSN checkpoint (repeatable; split at the last =)")
     ap.add_argument("--root", default=None, help="data.root")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--ks", default="1,2,4,8", help="phantom steps K to evaluate")
@@ -121,7 +121,7 @@ def main() -> None:
     for spec in args.ckpt:
         if "=" not in spec:
             ap.error(f"--ckpt {spec!r}: write LABEL=PATH")
-        label, path = spec.split("=", 1)
+        label, path = spec.rsplit("=", 1)  # labels may hold "=" (K=2); paths do not
         module, _, _, _ = load_module(path, overrides)
         res["checkpoints"][label] = {"checkpoint": path, **measure(module, args.n, ks, args.seed)}
         write_results(args.out, args.name, res, render)

@@ -150,7 +150,7 @@ def main() -> None:
     for spec in args.ckpt:
         if "=" not in spec:
             ap.error(f"--ckpt {spec!r}: write LABEL=PATH")
-        label, path = spec.split("=", 1)
+        label, path = spec.rsplit("=", 1)  # labels may hold "=" (K=2); paths do not
         module, _, _, _ = load_module(path, overrides)
         if not hasattr(module, "net") or not hasattr(module.net, "sigmas"):
             raise SystemExit(f"{path}: not an NCSN checkpoint (model=ncsn)")

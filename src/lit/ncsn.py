@@ -15,10 +15,12 @@ noise; ``samples.png`` at the end of the test.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from src.deq.block import PHANTOM_TRUNCATION_WARN, phantom_truncation
 from src.lit.base import DeqsmModule, as_plain, batch_tensor
 from src.metrics.evaluation import seeded_rng
 from src.models.ncsn import NCSN, geometric_sigmas
@@ -28,6 +30,7 @@ from src.sampling import annealed_langevin
 
 TRAIN_LOSSES = ("dsm", "ssm_vr", "ssm")
 SAMPLING_DEFAULTS = {"n_steps_each": 100, "step_lr": 2e-5, "denoise": False}
+VAL_CONTRACTION_POINTS = 16  # validation images for val/deq_contraction_rate (one per level, cycled)
 
 
 class NCSNLitModule(DeqsmModule):
@@ -100,15 +103,34 @@ class NCSNLitModule(DeqsmModule):
             out = noise_conditional(get_objective("dsm"), self.eval_model(), x, self.net.sigmas,
                                     anneal_power=self.anneal_power, create_graph=False)
         self.log("val/dsm_loss", out.loss.detach(), prog_bar=True, on_epoch=True, batch_size=x.shape[0])
+        if batch_idx == 0 and self.net.deq_block() is not None:
+            rate, _ = self.deq_contraction(x[:VAL_CONTRACTION_POINTS])
+            self.log("val/deq_contraction_rate", rate, on_epoch=True, batch_size=1)
+            self.check_phantom_truncation(rate)
+
+    def check_phantom_truncation(self, rate: float) -> float | None:
+        """Warn when the phantom gradient truncates a loss that differentiates through the DEQ (SSM-VR, SSM)
+        by more than ``PHANTOM_TRUNCATION_WARN`` at the learned contraction ``rate``
+        (:func:`src.deq.block.phantom_truncation`); returns the truncation bound (None when it does not apply)."""
+        block = self.net.deq_block()
+        if block is None or block.config.backward != "phantom" or self.loss_name == "dsm":
+            return None  # DSM has no derivative through the DEQ w.r.t. x; implicit is exact
+        k = int(block.config.phantom_steps)
+        bound = phantom_truncation(rate, k)
+        if bound > PHANTOM_TRUNCATION_WARN:
+            warnings.warn(
+                f"DEQ-NCSN: the learned map contracts at {rate:.3f}, so the phantom gradient with K = {k} "
+                f"(deq.phantom_steps) truncates the {self.loss_name} loss's divergence through the DEQ by up to "
+                f"{bound:.0%}; the network can lower that truncated loss while the exact one rises. Use "
+                "deq.backward=implicit (exact) or raise deq.phantom_steps (K = 8 trained like implicit here).",
+                RuntimeWarning, stacklevel=2)
+        return bound
 
     # ------------------------------------------------------------------ test extras
-    def deq_diagnostics(self, n: int = 64) -> dict[str, float]:
-        """Contraction rate of the learned DEQ map and forward solver iterations, on test images perturbed at
-        every noise level (image j at level j mod L)."""
+    def deq_contraction(self, x: torch.Tensor) -> tuple[float, int]:
+        """Contraction rate of the learned DEQ map at its fixed point and forward solver iterations, on
+        images ``x`` perturbed at every noise level (image j at level j mod L, seeded noise)."""
         block = self.net.deq_block()
-        if block is None:
-            return {}
-        x = self.split_tensor("test", n)
         L = self.net.sigmas.numel()
         labels = torch.arange(x.shape[0], device=x.device) % L
         g = torch.Generator(device="cpu").manual_seed(self.val_seed)
@@ -117,9 +139,15 @@ class NCSNLitModule(DeqsmModule):
         with torch.no_grad():
             y = self.net.deq_input(xt, labels)
             block(y, labels)
-            iterations = block.last_stats["iterations"]
-        return {"test/deq_contraction_rate": block.contraction_rate(y, labels),
-                "test/deq_forward_iterations": float(iterations)}
+            iterations = int(block.last_stats["iterations"])
+        return block.contraction_rate(y, labels), iterations
+
+    def deq_diagnostics(self, n: int = 64) -> dict[str, float]:
+        """``test/deq_contraction_rate`` and ``test/deq_forward_iterations`` on ``n`` test images."""
+        if self.net.deq_block() is None:
+            return {}
+        rate, iterations = self.deq_contraction(self.split_tensor("test", n))
+        return {"test/deq_contraction_rate": rate, "test/deq_forward_iterations": float(iterations)}
 
     def on_test_epoch_end(self):
         super().on_test_epoch_end()
