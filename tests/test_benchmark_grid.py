@@ -151,6 +151,10 @@ def _benchmark(name: str):
                                         ("training_curves", "vae_mnist_curves_score_lr1e-4"),
                                         ("training_curves", "vae_mnist_curves_lr1e-4"),
                                         ("training_curves", "ncsn_mnist_curves_spectral_k8"),
+                                        ("training_curves", "ncsn_mnist_curves_spectral_k2"),
+                                        ("training_curves", "ncsn_mnist_curves_spectral_implicit"),
+                                        ("training_curves", "vae_mnist_curves_lr1e-4_seed1"),
+                                        ("training_curves", "vae_mnist_curves_lr1e-4_no_entropy"),
                                         ("ncsn_sampler_drift", "ncsn_sampler_drift"),
                                         ("ncsn_phantom_bias", "ncsn_phantom_bias")])
 def test_other_committed_benchmark_tables_rebuild_exactly_from_their_json(name, stem):
