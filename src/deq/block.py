@@ -47,8 +47,9 @@ def phantom_truncation(rate: float, phantom_steps: int) -> float:
     Neumann series Σ_k Jᵏ ∂f/∂x; with ‖J‖₂ = ρ < 1 the missing tail is at most ρᴷ/(1 − ρ) of the leading term.
     Objectives whose loss contains a derivative through the DEQ (SSM, SSM-VR, SM: the divergence) train on the
     truncated value, and a network can lower the truncated loss in ways the exact loss does not reward: a
-    spectrally normalised DEQ-NCSN trained with K = 2 raised ρ from 0.08 to 0.38 in 600 steps while its K = 2
-    SSM-VR loss fell to −728 and the exact one rose to +417 (benchmarks/ncsn_phantom_bias.py).
+    spectrally normalised DEQ-NCSN trained with K = 2 raised ρ to 0.16 at 300 steps and 0.38 at 600, where its
+    K = 2 SSM-VR loss read −728 and the exact one +417; trained with the implicit backward ρ stayed at 0.08–0.09
+    (benchmarks/ncsn_phantom_bias.py).
     """
     rho = float(rate)
     if rho >= 1:
