@@ -28,7 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.reporting import markdown_table, rerender, write_results
+from src.reporting import labelled_checkpoint, markdown_table, rerender, write_results
 
 
 def losses(module, x, seed: int) -> dict[str, float]:
@@ -90,7 +90,8 @@ def render(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", action="append", default=[], help="LABEL=PATH of a DEQ-NCSN checkpoint (repeatable; split at the last =)")
+    ap.add_argument("--ckpt", action="append", default=[], type=labelled_checkpoint,
+                    help="LABEL=PATH of a DEQ-NCSN checkpoint (repeatable; split at the last =)")
     ap.add_argument("--root", default=None, help="data.root")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--ks", default="1,2,4,8", help="phantom steps K to evaluate")
@@ -118,10 +119,7 @@ def main() -> None:
                                          *(shlex.quote(a) for a in sys.argv[1:])]),
                     "n": args.n, "seed": args.seed, "note": Path(args.note).read_text() if args.note else None},
            "checkpoints": {}}
-    for spec in args.ckpt:
-        if "=" not in spec:
-            ap.error(f"--ckpt {spec!r}: write LABEL=PATH")
-        label, path = spec.rsplit("=", 1)  # labels may hold "=" (K=2); paths do not
+    for label, path in args.ckpt:
         module, _, _, _ = load_module(path, overrides)
         res["checkpoints"][label] = {"checkpoint": path, **measure(module, args.n, ks, args.seed)}
         write_results(args.out, args.name, res, render)

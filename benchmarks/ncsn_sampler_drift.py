@@ -35,7 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from src.reporting import markdown_table, rerender, write_results
+from src.reporting import labelled_checkpoint, markdown_table, rerender, write_results
 
 INITS = ("uniform", "data")
 
@@ -118,7 +118,8 @@ def render(res: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", action="append", default=[], help="LABEL=PATH of an NCSN checkpoint (repeatable)")
+    ap.add_argument("--ckpt", action="append", default=[], type=labelled_checkpoint,
+                    help="LABEL=PATH of an NCSN checkpoint (repeatable; split at the last =)")
     ap.add_argument("--root", default=None, help="data.root for the test images")
     ap.add_argument("--n", type=int, default=64)
     ap.add_argument("--n-steps-each", type=int, default=10)
@@ -147,10 +148,7 @@ def main() -> None:
                     "n": args.n, "n_steps_each": args.n_steps_each, "step_lr": args.step_lr, "seed": args.seed,
                     "note": Path(args.note).read_text() if args.note else None},
            "checkpoints": {}}
-    for spec in args.ckpt:
-        if "=" not in spec:
-            ap.error(f"--ckpt {spec!r}: write LABEL=PATH")
-        label, path = spec.rsplit("=", 1)  # labels may hold "=" (K=2); paths do not
+    for label, path in args.ckpt:
         module, _, _, _ = load_module(path, overrides)
         if not hasattr(module, "net") or not hasattr(module.net, "sigmas"):
             raise SystemExit(f"{path}: not an NCSN checkpoint (model=ncsn)")

@@ -18,6 +18,7 @@ a table can be rebuilt from a saved JSON file without the run directories.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from collections.abc import Callable, Hashable, Iterable, Iterator
@@ -127,6 +128,15 @@ def markdown_table(head: list[str], rows: Iterable[list[str]]) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------- result files
+def labelled_checkpoint(spec: str) -> tuple[str, str]:
+    """argparse ``type`` of a benchmark's ``--ckpt LABEL=PATH``: split at the *last* ``=``, since labels may
+    hold one (``'trained with K=2=outputs/…/step_0000600.ckpt'``) and checkpoint paths do not."""
+    if "=" not in spec:
+        raise argparse.ArgumentTypeError(f"{spec!r}: write LABEL=PATH")
+    label, path = spec.rsplit("=", 1)
+    return label, path
+
+
 def write_results(out: Path, stem: str, res: dict, render: Callable[[dict], str]) -> None:
     """``<out>/<stem>.json`` (written to a temporary file and renamed: a killed run never leaves half a file)
     and ``<out>/<stem>.md`` = ``render(res)``."""

@@ -69,3 +69,17 @@ def test_sweep_report_from_loaded_jobs_is_a_pure_function():
         "| 16 | 1 | -20.00 | 10 | 8.00 |",
         "| 3 | 2 | -11.00 ± 1.41 | 10 ± 0 | 3.00 ± 1.41 |",
     ]
+
+
+def test_labelled_checkpoint_splits_at_the_last_equals_sign():
+    import argparse
+
+    import pytest
+
+    from src.reporting import labelled_checkpoint
+
+    assert labelled_checkpoint("trained with K=2=runs/a/step_0000600.ckpt") == ("trained with K=2",
+                                                                               "runs/a/step_0000600.ckpt")
+    assert labelled_checkpoint("DEQ=last.ckpt") == ("DEQ", "last.ckpt")
+    with pytest.raises(argparse.ArgumentTypeError, match="LABEL=PATH"):
+        labelled_checkpoint("last.ckpt")
