@@ -27,10 +27,11 @@ def _block(backward: str) -> ConditionalResidualDEQBlock:
 
 
 def _step(block, x, labels, v):
-    """An SSM-VR-like loss: vᵀ∂z*/∂x v (a derivative through the DEQ, create_graph) plus ½‖z*‖², backward."""
+    """A loss with a derivative through the DEQ, as SSM-VR's divergence: 0.1·Σ(∂z*/∂x)ᵀv (create_graph) plus
+    ½‖z*‖², then backward."""
     z = block(x, labels)
     (g,) = torch.autograd.grad(z, x, v, create_graph=True)
-    loss = (g * x.new_ones(()).expand_as(g)).sum() * 0.1 + 0.5 * (z**2).sum()
+    loss = 0.1 * g.sum() + 0.5 * (z**2).sum()
     loss.backward()
     return z
 
