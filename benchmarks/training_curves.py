@@ -4,6 +4,7 @@ and evaluate every checkpoint: metrics (FID, AIS log-likelihood, test losses) ag
     python benchmarks/training_curves.py vae  --root ../shared/data [--steps 6000] [--every 1500] [--ais-points 16]
     python benchmarks/training_curves.py ncsn --root ../shared/data [--steps 1000] [--every 500] [--fid-samples 250]
     python benchmarks/training_curves.py vae --render            # rebuild the markdown and figure from the JSON
+    python benchmarks/training_curves.py ncsn --merge A.json B.json --name N   # variants run side by side, as one
 
 ``vae`` is the paper's Table 1 protocol on binarised MNIST (`experiment=vae_mnist`: SSM VAE, Aug(8), Aug(16),
 DEQ), ``ncsn`` its Table 5 protocol on MNIST (`experiment=ncsn_mnist`: RefineNet, TwoRes, DEQ, SSM-VR).
@@ -19,6 +20,10 @@ its ``last.ckpt``; a checkpoint already in the results JSON is not evaluated aga
 rewritten after every evaluation: ``<name>.json`` (machine, commands, every point), ``<name>.md`` (one table
 per variant, a summary table) and ``<name>.png`` (each metric against steps and against wall time), plus the
 last checkpoint's sample grid per variant, ``<name>_<variant>_samples.png``, in ``--out``.
+
+Side by side: with two cores, one process per variant (each ``--variants V --name <part>``, the same
+``--runs``, ``--steps``, ``--every`` and eval options) finishes sooner than one process training them in turn;
+``--merge`` then joins the parts into ``<name>`` (refused if their protocols differ).
 """
 
 from __future__ import annotations
@@ -173,6 +178,32 @@ def save(res: dict, args) -> None:
     plot(res, Path(args.out) / f"{args.name}.png")
 
 
+def merge(paths: list[Path], out: Path, name: str) -> dict:
+    """One result from partial ones of the same grid and evaluation protocol (one process per variant, run side
+    by side); each part's command is kept, and each variant's sample grid is copied under the new name."""
+    parts = [(p, json.loads(p.read_text())) for p in paths]
+    first_path, first = parts[0]
+    res = {"meta": {k: v for k, v in first["meta"].items() if k != "command"}, "runs": {}}
+    res["meta"]["commands"] = []
+    for path, part in parts:
+        for key in ("grid", "experiment", "eval_overrides", "real_fid_n", "machine"):
+            if part["meta"].get(key) != first["meta"].get(key):
+                raise SystemExit(f"{path}: {key} {part['meta'].get(key)!r} differs from {first_path}'s "
+                                 f"{first['meta'].get(key)!r}; only results of one protocol can be merged")
+        res["meta"]["commands"].append(part["meta"]["command"])
+        for variant, run in part["runs"].items():
+            if variant in res["runs"]:
+                raise SystemExit(f"{path}: variant {variant!r} is in more than one part; merge each once")
+            run = dict(run)
+            if run.get("samples"):
+                target = f"{name}_{slug(variant)}_samples.png"
+                out.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(path.parent / run["samples"], out / target)
+                run["samples"] = target
+            res["runs"][variant] = run
+    return res
+
+
 def _fmt(fmt: str, value) -> str:
     return "—" if value is None else fmt.format(value)
 
@@ -180,8 +211,13 @@ def _fmt(fmt: str, value) -> str:
 def render(res: dict) -> str:
     grid = GRIDS[res["meta"]["grid"]]
     per_it = grid["steps_per_iteration"]
-    lines = [f"# Training curves: {res['meta']['grid']} ({res['meta']['experiment']})", "",
-             f"Command: `{res['meta']['command']}`", "", f"Machine: {res['meta']['machine']}", "",
+    if res["meta"].get("commands"):  # merged parts, run side by side
+        ran = ["Commands, one process per variant, run side by side and merged with `--merge`:", "", "```bash",
+               *res["meta"]["commands"], "```"]
+    else:
+        ran = [f"Command: `{res['meta']['command']}`"]
+    lines = [f"# Training curves: {res['meta']['grid']} ({res['meta']['experiment']})", "", *ran, "",
+             f"Machine: {res['meta']['machine']}", "",
              f"Each checkpoint tested with `python -m src.evaluate ckpt_path=<checkpoint> "
              f"{' '.join(res['meta']['eval_overrides'])}`. Wall time = summed training step time "
              "(validation, test and start-up excluded)." + (
@@ -268,6 +304,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default=None, help="result file stem (default: <grid>_mnist_curves)")
     ap.add_argument("--render", action="store_true", help="run nothing: rebuild markdown and figure from JSON")
+    ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
+                    help="run nothing: join these partial results (one grid and protocol) into --out/--name")
     args = ap.parse_args()
     grid = GRIDS[args.grid]
     args.name = args.name or f"{args.grid}_mnist_curves"
@@ -277,6 +315,9 @@ def main() -> None:
     res_path = Path(args.out) / f"{args.name}.json"
     if args.render:
         save(json.loads(res_path.read_text()), args)
+        return
+    if args.merge:
+        save(merge(args.merge, Path(args.out), args.name), args)
         return
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch

@@ -170,3 +170,36 @@ def test_separation_report_renders_its_markdown_from_the_json(tmp_path):
         shutil.copy(RESULTS / f"separation.{suffix}", tmp_path / f"separation.{suffix}")
     _benchmark("separation_report").main(["--render", "--out", str(tmp_path)])
     assert (tmp_path / "separation.md").read_text() == (RESULTS / "separation.md").read_text()
+
+
+def test_training_curves_merge_joins_parts_of_one_protocol_and_refuses_others(tmp_path):
+    """Variants run side by side as one process each come back as one result: every run and point kept, each
+    part's command listed, sample grids renamed; parts of different protocols or a variant twice are refused."""
+    curves = _benchmark("training_curves")
+    whole = json.loads((RESULTS / "ncsn_mnist_curves.json").read_text())
+    names = list(whole["runs"])
+    paths = []
+    for i, group in enumerate((names[:1], names[1:])):
+        part = {"meta": dict(whole["meta"], command=f"python part{i}"), "runs": {n: whole["runs"][n] for n in group}}
+        for n in group:
+            if part["runs"][n].get("samples"):
+                shutil.copy(RESULTS / part["runs"][n]["samples"], tmp_path / part["runs"][n]["samples"])
+        paths.append(tmp_path / f"part{i}.json")
+        paths[-1].write_text(json.dumps(part))
+    merged = curves.merge(paths, tmp_path / "out", "joined")
+    assert list(merged["runs"]) == names
+    assert merged["meta"]["commands"] == ["python part0", "python part1"]
+    for n in names:
+        assert merged["runs"][n]["points"] == whole["runs"][n]["points"]
+        if whole["runs"][n].get("samples"):
+            assert (tmp_path / "out" / merged["runs"][n]["samples"]).read_bytes() == (
+                RESULTS / whole["runs"][n]["samples"]).read_bytes()
+    text = curves.render(merged)
+    assert "python part0\npython part1" in text and "Command: `" not in text
+    other = json.loads(paths[1].read_text())
+    other["meta"]["eval_overrides"] = ["model.metrics.fid.n_samples=1000"]
+    paths[1].write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="eval_overrides"):
+        curves.merge(paths, tmp_path / "out", "joined")
+    with pytest.raises(SystemExit, match="more than one part"):
+        curves.merge([paths[0], paths[0]], tmp_path / "out", "joined")
