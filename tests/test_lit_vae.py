@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -39,6 +41,11 @@ def test_fast_dev_run_every_variant(tmp_path, shared_data, arch, deq, depth):
     assert m["test/log_likelihood"] < -200  # a log-probability of 784 binary pixels, far from trained
     assert m["test/ais_points"] == 8
     assert (tmp_path / "samples.png").exists()
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    if deq == "true":  # the score estimator's DEQ, at its last training input (src.lit.base)
+        assert 0 < saved["val/deq_contraction_rate"] < 1
+    else:
+        assert "val/deq_contraction_rate" not in saved
 
 
 @pytest.mark.parametrize("loss", ["ssm_vr", "dsm"])

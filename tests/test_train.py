@@ -27,6 +27,9 @@ def test_fast_dev_run_every_loss_and_deq(tmp_path, loss, deq):
     assert saved["profile/saved_bytes_mean"] > 0
     if deq == "true":
         assert saved["profile/deq_iterations_mean"] >= 1
+        assert 0 < saved["val/deq_contraction_rate"] < 1  # at the training input's fixed point (src.lit.base)
+    else:
+        assert "val/deq_contraction_rate" not in saved
     # ground truth of N(0, I_10): mean log-density of the test points is about -D/2 (1 + log 2π) = -14.19
     assert -20 < saved["test/true_log_likelihood"] < -9
     assert metrics["n_params"] == saved["n_params"]
@@ -48,6 +51,12 @@ def test_fast_dev_run_nice(tmp_path, shared_data, loss, deq):
     # an untrained flow is far from the data, but bits/dim in pixel space must be positive and finite
     assert saved["test/bits_per_dim"] > 0
     assert (tmp_path / "samples.png").stat().st_size > 500
+    rates = {k: v for k, v in saved.items() if k.startswith("val/deq_contraction_rate/")}
+    if deq == "true":  # one DEQ block per coupling: each one's rate, and the largest
+        assert len(rates) >= 2 and all(0 < r < 1 for r in rates.values())
+        assert saved["val/deq_contraction_rate"] == max(rates.values())
+    else:
+        assert not rates and "val/deq_contraction_rate" not in saved
 
 
 def test_instantiate_gives_lightning_objects(tmp_path):

@@ -21,6 +21,13 @@ metrics land in ``test_results`` and ``metrics.json``.
 Samples: a generative family implements :meth:`DeqsmModule.sample` (model space); :meth:`sample_pixels`
 maps samples to images through the data contract for grids and FID.
 
+DEQ contraction (every family with a DEQ block): a forward pre-hook keeps the first rows of the last
+training input each DEQ block saw; at the end of each validation the block's contraction rate ‖∂f/∂z‖₂ at
+that input's fixed point is logged (``val/deq_contraction_rate``, the largest over blocks, and
+``val/deq_contraction_rate/<block>`` when there are several), and :meth:`DeqsmModule.check_phantom_truncation`
+warns when the phantom backward truncates a loss that differentiates through the DEQ by more than
+``src.deq.block.PHANTOM_TRUNCATION_WARN``.
+
 Data and dtype: the module reads data only through the contract of :mod:`src.data.contract`, and every
 tensor it takes from the data module is cast to the module's dtype and device (:meth:`model_tensor`), so
 ``trainer.precision=64-true`` runs end to end in float64.
@@ -29,6 +36,7 @@ tensor it takes from the data module is cast to the module's dtype and device (:
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +46,7 @@ import torch
 
 from src.configs import plain as as_plain
 from src.data.contract import ScoreDataModule, require_contract
+from src.deq.block import PHANTOM_TRUNCATION_WARN, phantom_truncation
 from src.metrics.evaluation import build_metrics
 from src.objectives.base import ObjectiveOutput
 from src.objectives.registry import get_objective
@@ -102,10 +111,12 @@ class DeqsmModule(L.LightningModule):
 
     - ``eval_model()``: the object the score-based metrics differentiate (``log_density`` and/or ``score``);
     - ``log_likelihood_metrics(x) -> {name: [B]}`` and ``log_likelihood_constants() -> {key: float}``;
-    - ``sample(n, generator) -> [n, *data_shape]`` for generative families.
+    - ``sample(n, generator) -> [n, *data_shape]`` for generative families;
+    - ``loss_differentiates_through_deq()`` and ``deq_contraction_rates()`` (see the module docstring).
     """
 
     net: torch.nn.Module
+    deq_input_rows = 16  # rows of the last training input kept per DEQ block for its contraction rate
 
     def __init__(self, optimizer: Mapping | None = None, metrics: Mapping | None = None,
                  evaluation: Mapping | None = None, monitor: str | None = None, monitor_mode: str | None = None):
@@ -120,6 +131,8 @@ class DeqsmModule(L.LightningModule):
         self.n_samples_grid = 0  # generative families: samples.png of this many samples at the end of the test
         self.test_results: dict[str, float] = {}
         self._data: ScoreDataModule | None = None
+        self._deq_inputs: dict[str, tuple] = {}
+        self._deq_hooks: list = []
 
     # ------------------------------------------------------------------ data and dtype
     def datamodule(self) -> ScoreDataModule:
@@ -268,6 +281,7 @@ class DeqsmModule(L.LightningModule):
 
     def on_validation_epoch_end(self):
         self._metrics_end("val")
+        self.log_deq_contraction()
 
     def on_test_epoch_start(self):
         self.test_results = {}
@@ -314,6 +328,75 @@ class DeqsmModule(L.LightningModule):
         log_image(self.trainer, "samples", path)
         return path
 
+    # ------------------------------------------------------------------ DEQ contraction, phantom truncation
+    def loss_differentiates_through_deq(self) -> bool:
+        """Whether the training loss's value contains a derivative w.r.t. the data through the DEQ (a score
+        ∇ₓ log p of an energy, a divergence of a score network), so that the phantom backward (Alg. 1) truncates
+        the loss itself, not only its parameter gradient. A family says so; the base assumes it does."""
+        return True
+
+    def on_fit_start(self) -> None:
+        self._deq_inputs = {}
+        for name, block in self._deq_blocks():
+            self._deq_hooks.append(block.register_forward_pre_hook(self._deq_input_hook(name)))
+
+    def on_fit_end(self) -> None:
+        for handle in self._deq_hooks:
+            handle.remove()
+        self._deq_hooks = []
+
+    def _deq_input_hook(self, name: str):
+        rows = self.deq_input_rows
+
+        def keep(block, args):
+            if block.training:  # training forwards only; the first rows, detached, copied (not a view)
+                self._deq_inputs[name] = tuple(a.detach()[:rows].clone() if torch.is_tensor(a) and a.dim() else a
+                                               for a in args)
+        return keep
+
+    def deq_contraction_rates(self) -> dict[str, float]:
+        """{block name: ‖∂f/∂z‖₂ at the fixed point} of each DEQ block, at the last training input it saw
+        (:meth:`src.deq.block.DEQBlock.contraction_rate`); blocks that have not seen one are left out."""
+        return {name: block.contraction_rate(*self._deq_inputs[name])
+                for name, block in self._deq_blocks() if name in self._deq_inputs}
+
+    def log_deq_contraction(self) -> None:
+        """Log ``val/deq_contraction_rate`` (largest over blocks; per block too when there are several) and warn
+        when it makes the phantom backward truncate the loss (:meth:`check_phantom_truncation`)."""
+        rates = self.deq_contraction_rates()
+        if not rates:
+            return
+        self.log("val/deq_contraction_rate", max(rates.values()), sync_dist=True, reduce_fx="max")
+        if len(rates) > 1:
+            for name, rate in rates.items():
+                self.log(f"val/deq_contraction_rate/{name}", rate, sync_dist=True, reduce_fx="max")
+        blocks = dict(self._deq_blocks())
+        for name, rate in rates.items():
+            self.check_phantom_truncation(rate, blocks[name])
+
+    def check_phantom_truncation(self, rate: float, block=None) -> float | None:
+        """Warn when the phantom backward of ``block`` (default: the only DEQ block) truncates a loss that
+        differentiates through the DEQ by more than ``PHANTOM_TRUNCATION_WARN`` at the contraction ``rate``
+        (:func:`src.deq.block.phantom_truncation`); returns the bound, or None when it does not apply (no DEQ,
+        the implicit backward, which is exact, or a loss with no derivative through the DEQ)."""
+        if block is None:
+            blocks = self._deq_blocks()
+            if len(blocks) != 1:
+                return None
+            block = blocks[0][1]
+        if block.config.backward != "phantom" or not self.loss_differentiates_through_deq():
+            return None
+        k = int(block.config.phantom_steps)
+        bound = phantom_truncation(rate, k)
+        if bound > PHANTOM_TRUNCATION_WARN:
+            warnings.warn(
+                f"{type(self).__name__}: DEQ block '{block.name}' contracts at {rate:.3f}, so the phantom gradient "
+                f"with K = {k} (deq.phantom_steps) truncates the training loss's derivative through the DEQ by up "
+                f"to {bound:.0%}; the network can lower that truncated loss while the exact one rises. Use "
+                "deq.backward=implicit (exact) or raise deq.phantom_steps until ρᴷ/(1 − ρ) is small.",
+                RuntimeWarning, stacklevel=2)
+        return bound
+
     # ------------------------------------------------------------------ exact resume
     def _deq_blocks(self):
         from src.deq.block import DEQBlock
@@ -346,6 +429,11 @@ class ScoreMatchingModule(DeqsmModule):
         self.loss_name = loss.pop("name")
         self.loss_kwargs = loss
         self.objective = get_objective(self.loss_name, **loss)
+
+    def loss_differentiates_through_deq(self) -> bool:
+        """The score of an energy / density model is ∇ₓ log p through the DEQ, so every score-matching loss
+        differentiates through it; MLE does not (NICE's additive couplings have unit Jacobian determinant)."""
+        return self.loss_name != "mle"
 
     def training_objective(self, x: torch.Tensor) -> ObjectiveOutput:
         return self.objective(self.net, x)

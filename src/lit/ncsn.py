@@ -6,7 +6,8 @@ the paper's, or ``loss=dsm``) is applied to s(·, i), σᵢ²-weighted (:func:`s
 noise_conditional`, NCSN's ``anneal_power`` 2).
 
 Validation: the σ²-weighted DSM loss with seeded noise and levels (``val/dsm_loss``, what checkpoints
-monitor). Test: the ``noise_conditional`` metric (σ²-weighted DSM and SSM-VR losses per level and overall),
+monitor) and, for a DEQ network, ``val/deq_contraction_rate`` on validation images at every level, with the
+base module's phantom-truncation warning for SSM-VR / SSM. Test: the ``noise_conditional`` metric (σ²-weighted DSM and SSM-VR losses per level and overall),
 ``fid`` (samples from :meth:`NCSNLitModule.sample`, EMA weights when EMA is on), and for a DEQ network
 ``test/deq_contraction_rate`` (‖∂f/∂z‖₂ at the fixed point, one test image per noise level) and
 ``test/deq_forward_iterations``. Samples: annealed Langevin dynamics (:mod:`src.sampling`) from uniform
@@ -15,12 +16,10 @@ noise; ``samples.png`` at the end of the test.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from src.deq.block import PHANTOM_TRUNCATION_WARN, phantom_truncation
 from src.lit.base import DeqsmModule, as_plain, batch_tensor
 from src.metrics.evaluation import seeded_rng
 from src.models.ncsn import NCSN, geometric_sigmas
@@ -103,28 +102,20 @@ class NCSNLitModule(DeqsmModule):
             out = noise_conditional(get_objective("dsm"), self.eval_model(), x, self.net.sigmas,
                                     anneal_power=self.anneal_power, create_graph=False)
         self.log("val/dsm_loss", out.loss.detach(), prog_bar=True, on_epoch=True, batch_size=x.shape[0])
-        if batch_idx == 0 and self.net.deq_block() is not None:
-            rate, _ = self.deq_contraction(x[:VAL_CONTRACTION_POINTS])
-            self.log("val/deq_contraction_rate", rate, on_epoch=True, batch_size=1)
-            self.check_phantom_truncation(rate)
 
-    def check_phantom_truncation(self, rate: float) -> float | None:
-        """Warn when the phantom gradient truncates a loss that differentiates through the DEQ (SSM-VR, SSM)
-        by more than ``PHANTOM_TRUNCATION_WARN`` at the learned contraction ``rate``
-        (:func:`src.deq.block.phantom_truncation`); returns the truncation bound (None when it does not apply)."""
-        block = self.net.deq_block()
-        if block is None or block.config.backward != "phantom" or self.loss_name == "dsm":
-            return None  # DSM has no derivative through the DEQ w.r.t. x; implicit is exact
-        k = int(block.config.phantom_steps)
-        bound = phantom_truncation(rate, k)
-        if bound > PHANTOM_TRUNCATION_WARN:
-            warnings.warn(
-                f"DEQ-NCSN: the learned map contracts at {rate:.3f}, so the phantom gradient with K = {k} "
-                f"(deq.phantom_steps) truncates the {self.loss_name} loss's divergence through the DEQ by up to "
-                f"{bound:.0%}; the network can lower that truncated loss while the exact one rises. Use "
-                "deq.backward=implicit (exact) or raise deq.phantom_steps (K = 8 trained like implicit here).",
-                RuntimeWarning, stacklevel=2)
-        return bound
+    def loss_differentiates_through_deq(self) -> bool:
+        """The network outputs the score: DSM needs no derivative of it w.r.t. x; SSM-VR's and SSM's divergence
+        differentiates it through the DEQ."""
+        return self.loss_name != "dsm"
+
+    def deq_contraction_rates(self) -> dict[str, float]:
+        """The DEQ map's contraction rate on the first ``VAL_CONTRACTION_POINTS`` validation images perturbed at
+        every noise level (seeded, so the same each validation; what ``val/deq_contraction_rate`` logs)."""
+        blocks = self._deq_blocks()
+        if not blocks:
+            return {}
+        rate, _ = self.deq_contraction(self.split_tensor("val", VAL_CONTRACTION_POINTS))
+        return {blocks[0][0]: rate}
 
     # ------------------------------------------------------------------ test extras
     def deq_contraction(self, x: torch.Tensor) -> tuple[float, int]:
