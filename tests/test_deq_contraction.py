@@ -68,7 +68,7 @@ def test_phantom_truncation_warns_only_where_the_loss_differentiates_through_the
     """ρᴷ/(1 − ρ) > 5 % warns for a score-matching loss with the phantom backward; MLE (unit-determinant
     couplings: no derivative through the DEQ), the implicit backward and a small bound do not."""
     module = nice_module(shared_data, tmp_path, "loss=ssm", "deq.phantom_steps=2")
-    name, block = module._deq_blocks()[-1]
+    block = module._deq_blocks()[-1][1]
     with pytest.warns(RuntimeWarning, match="deq.backward=implicit") as caught:
         assert module.check_phantom_truncation(0.383, block) == pytest.approx(0.383**2 / 0.617)
     assert f"'{block.name}'" in str(caught[0].message) and "K = 2" in str(caught[0].message)
@@ -80,3 +80,20 @@ def test_phantom_truncation_warns_only_where_the_loss_differentiates_through_the
         assert mle.check_phantom_truncation(0.9, mle._deq_blocks()[-1][1]) is None
         implicit = nice_module(shared_data, tmp_path, "loss=ssm", "deq.backward=implicit")
         assert implicit.check_phantom_truncation(0.9, implicit._deq_blocks()[-1][1]) is None
+
+
+@pytest.mark.parametrize("family, loss, through", [("nice", "ssm", True), ("nice", "dsm", True), ("nice", "mle", False),
+                                                   ("ncsn", "ssm_vr", True), ("ncsn", "dsm", False),
+                                                   ("vae", "ssm", True), ("vae", "dsm", False)])
+def test_which_losses_differentiate_through_the_deq(family, loss, through):
+    """An energy's score is ∇ₓ log p through the DEQ (every score-matching loss, even DSM; not MLE); a score
+    network's output is differentiated only by a divergence (SSM / SSM-VR), not by DSM."""
+    from src.lit.base import DeqsmModule
+    from src.lit.ncsn import NCSNLitModule
+    from src.lit.nice import NICELitModule
+    from src.lit.vae import VAELitModule
+
+    cls = {"nice": NICELitModule, "ncsn": NCSNLitModule, "vae": VAELitModule}[family]
+    module = cls.__new__(cls)  # the rule reads the family and the loss name only
+    module.loss_name = loss
+    assert DeqsmModule.loss_differentiates_through_deq(module) is through

@@ -46,7 +46,7 @@ import torch
 
 from src.configs import plain as as_plain
 from src.data.contract import ScoreDataModule, require_contract
-from src.deq.block import PHANTOM_TRUNCATION_WARN, phantom_truncation
+from src.deq.block import PHANTOM_TRUNCATION_WARN, DEQBlock, phantom_truncation
 from src.metrics.evaluation import build_metrics
 from src.objectives.base import ObjectiveOutput
 from src.objectives.registry import get_objective
@@ -117,6 +117,7 @@ class DeqsmModule(L.LightningModule):
 
     net: torch.nn.Module
     deq_input_rows = 16  # rows of the last training input kept per DEQ block for its contraction rate
+    outputs_score = False  # the network outputs the score itself (not an energy): see loss_differentiates_through_deq
 
     def __init__(self, optimizer: Mapping | None = None, metrics: Mapping | None = None,
                  evaluation: Mapping | None = None, monitor: str | None = None, monitor_mode: str | None = None):
@@ -330,10 +331,13 @@ class DeqsmModule(L.LightningModule):
 
     # ------------------------------------------------------------------ DEQ contraction, phantom truncation
     def loss_differentiates_through_deq(self) -> bool:
-        """Whether the training loss's value contains a derivative w.r.t. the data through the DEQ (a score
-        ∇ₓ log p of an energy, a divergence of a score network), so that the phantom backward (Alg. 1) truncates
-        the loss itself, not only its parameter gradient. A family says so; the base assumes it does."""
-        return True
+        """Whether the training loss's value contains a derivative w.r.t. the data through the DEQ, so that the
+        phantom backward (Alg. 1) truncates the loss itself, not only its parameter gradient. An energy / density
+        model's score is ∇ₓ log p through the DEQ: every score-matching loss does, MLE does not (NICE's additive
+        couplings have unit Jacobian determinant). A score network (``outputs_score``: NCSN, the VAE's estimator)
+        is differentiated only by the divergence of SSM / SSM-VR / SM, not by DSM."""
+        name = getattr(self, "loss_name", None)
+        return not (name == "mle" or (self.outputs_score and name == "dsm"))
 
     def on_fit_start(self) -> None:
         self._deq_inputs = {}
@@ -399,8 +403,6 @@ class DeqsmModule(L.LightningModule):
 
     # ------------------------------------------------------------------ exact resume
     def _deq_blocks(self):
-        from src.deq.block import DEQBlock
-
         return [(name, m) for name, m in self.named_modules() if isinstance(m, DEQBlock)]
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
@@ -429,11 +431,6 @@ class ScoreMatchingModule(DeqsmModule):
         self.loss_name = loss.pop("name")
         self.loss_kwargs = loss
         self.objective = get_objective(self.loss_name, **loss)
-
-    def loss_differentiates_through_deq(self) -> bool:
-        """The score of an energy / density model is ∇ₓ log p through the DEQ, so every score-matching loss
-        differentiates through it; MLE does not (NICE's additive couplings have unit Jacobian determinant)."""
-        return self.loss_name != "mle"
 
     def training_objective(self, x: torch.Tensor) -> ObjectiveOutput:
         return self.objective(self.net, x)

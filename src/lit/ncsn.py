@@ -33,6 +33,8 @@ VAL_CONTRACTION_POINTS = 16  # validation images for val/deq_contraction_rate (o
 
 
 class NCSNLitModule(DeqsmModule):
+    outputs_score = True  # s(x, i) directly: DSM has no derivative through the DEQ, SSM-VR's divergence has
+
     def __init__(
         self,
         data_shape: Sequence[int],
@@ -102,11 +104,6 @@ class NCSNLitModule(DeqsmModule):
             out = noise_conditional(get_objective("dsm"), self.eval_model(), x, self.net.sigmas,
                                     anneal_power=self.anneal_power, create_graph=False)
         self.log("val/dsm_loss", out.loss.detach(), prog_bar=True, on_epoch=True, batch_size=x.shape[0])
-
-    def loss_differentiates_through_deq(self) -> bool:
-        """The network outputs the score: DSM needs no derivative of it w.r.t. x; SSM-VR's and SSM's divergence
-        differentiates it through the DEQ."""
-        return self.loss_name != "dsm"
 
     def deq_contraction_rates(self) -> dict[str, float]:
         """The DEQ map's contraction rate on the first ``VAL_CONTRACTION_POINTS`` validation images perturbed at

@@ -39,6 +39,8 @@ class VAELitModule(DeqsmModule):
     (``gaussian``, the SSM reference's for the VAE, or ``null`` to keep ``loss.projection``) replaces the
     projection of ``loss=ssm|ssm_vr`` and is the one of the reported test SSM loss."""
 
+    outputs_score = True  # the score estimator s(z|x)
+
     def __init__(
         self,
         image_shape: Sequence[int],
