@@ -7,11 +7,11 @@ noise_conditional`, NCSN's ``anneal_power`` 2).
 
 Validation: the σ²-weighted DSM loss with seeded noise and levels (``val/dsm_loss``, what checkpoints
 monitor) and, for a DEQ network, ``val/deq_contraction_rate`` on validation images at every level, with the
-base module's phantom-truncation warning for SSM-VR / SSM. Test: the ``noise_conditional`` metric (σ²-weighted DSM and SSM-VR losses per level and overall),
-``fid`` (samples from :meth:`NCSNLitModule.sample`, EMA weights when EMA is on), and for a DEQ network
-``test/deq_contraction_rate`` (‖∂f/∂z‖₂ at the fixed point, one test image per noise level) and
-``test/deq_forward_iterations``. Samples: annealed Langevin dynamics (:mod:`src.sampling`) from uniform
-noise; ``samples.png`` at the end of the test.
+base module's phantom-truncation warning for SSM-VR / SSM. Test: the ``noise_conditional`` metric
+(σ²-weighted DSM and SSM-VR losses per level and overall), ``fid`` (samples from
+:meth:`NCSNLitModule.sample`, EMA weights when EMA is on), and for a DEQ network ``test/deq_contraction_rate``
+(‖∂f/∂z‖₂ at the fixed point, one test image per noise level) and ``test/deq_forward_iterations``. Samples:
+annealed Langevin dynamics (:mod:`src.sampling`) from uniform noise; ``samples.png`` at the end of the test.
 """
 
 from __future__ import annotations
