@@ -153,6 +153,7 @@ def _benchmark(name: str):
                                         ("training_curves", "ncsn_mnist_curves_spectral_k8"),
                                         ("training_curves", "ncsn_mnist_curves_spectral_k2"),
                                         ("training_curves", "ncsn_mnist_curves_spectral_implicit"),
+                                        ("training_curves", "ncsn_mnist_curves_long"),
                                         ("training_curves", "vae_mnist_curves_lr1e-4_seed1"),
                                         ("training_curves", "vae_mnist_curves_lr1e-4_no_entropy"),
                                         ("ncsn_sampler_drift", "ncsn_sampler_drift"),
