@@ -28,7 +28,7 @@ def test_rate_is_the_largest_singular_value_of_the_map_jacobian_at_the_training_
         tmp_path, shared_data):
     """After a training forward, each DEQ block's rate is ‖∂f/∂z‖₂ at the fixed point of the input it last saw:
     against the dense per-sample Jacobians (autograd) at a fixed point found by 500 plain iterations, in float64
-(the logged rate comes from 30 power iterations: a lower bound, within 3 % here).
+    (the logged rate comes from 30 power iterations: a lower bound, within 3 % here).
     Forwards in eval mode and after ``on_fit_end`` are not kept."""
     module = nice_module(shared_data, tmp_path, "loss=ssm")
     x = torch.rand(12, 784, dtype=torch.float64)

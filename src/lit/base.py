@@ -21,12 +21,12 @@ metrics land in ``test_results`` and ``metrics.json``.
 Samples: a generative family implements :meth:`DeqsmModule.sample` (model space); :meth:`sample_pixels`
 maps samples to images through the data contract for grids and FID.
 
-DEQ contraction (every family with a DEQ block): a forward pre-hook keeps the first rows of the last
-training input each DEQ block saw; at the end of each validation the block's contraction rate ‖∂f/∂z‖₂ at
-that input's fixed point is logged (``val/deq_contraction_rate``, the largest over blocks, and
-``val/deq_contraction_rate/<block>`` when there are several), and :meth:`DeqsmModule.check_phantom_truncation`
-warns when the phantom backward truncates a loss that differentiates through the DEQ by more than
-``src.deq.block.PHANTOM_TRUNCATION_WARN``.
+DEQ contraction (every family with a DEQ block): a forward pre-hook keeps the first ``deq_input_rows`` rows of
+the last training input each DEQ block saw (a family that measures elsewhere sets 0: NCSN); at the end of each
+validation the block's contraction rate ‖∂f/∂z‖₂ at that input's fixed point is logged
+(``val/deq_contraction_rate``, the largest over blocks, and ``val/deq_contraction_rate/<block>`` when there are
+several), and :meth:`DeqsmModule.check_phantom_truncation` warns when the phantom backward truncates a loss
+that differentiates through the DEQ by more than ``src.deq.block.PHANTOM_TRUNCATION_WARN``.
 
 Data and dtype: the module reads data only through the contract of :mod:`src.data.contract`, and every
 tensor it takes from the data module is cast to the module's dtype and device (:meth:`model_tensor`), so
@@ -116,7 +116,7 @@ class DeqsmModule(L.LightningModule):
     """
 
     net: torch.nn.Module
-    deq_input_rows = 16  # rows of the last training input kept per DEQ block for its contraction rate
+    deq_input_rows = 16  # rows of the last training input kept per DEQ block for its contraction rate (0: none)
     outputs_score = False  # the network outputs the score itself (not an energy): see loss_differentiates_through_deq
 
     def __init__(self, optimizer: Mapping | None = None, metrics: Mapping | None = None,
@@ -341,6 +341,8 @@ class DeqsmModule(L.LightningModule):
 
     def on_fit_start(self) -> None:
         self._deq_inputs = {}
+        if not self.deq_input_rows:  # the family measures its rate on other inputs (NCSN: validation images)
+            return
         for name, block in self._deq_blocks():
             self._deq_hooks.append(block.register_forward_pre_hook(self._deq_input_hook(name)))
 

@@ -34,6 +34,7 @@ VAL_CONTRACTION_POINTS = 16  # validation images for val/deq_contraction_rate (o
 
 class NCSNLitModule(DeqsmModule):
     outputs_score = True  # s(x, i) directly: DSM has no derivative through the DEQ, SSM-VR's divergence has
+    deq_input_rows = 0  # no training inputs kept: deq_contraction_rates measures on seeded validation images
 
     def __init__(
         self,
