@@ -67,163 +67,32 @@ from .base import (
 
 _MARK = "_deqsm_cp_depends_on_x"
 
-_AFFINE = frozenset(
-    [
-        "add",
-        "sub",
-        "rsub",
-        "neg",
-        "negative",
-        "positive",
-        "sum",
-        "mean",
-        "nansum",
-        "cumsum",
-        "trace",
-        "diagonal",
-        "diag",
-        "diag_embed",
-        "tril",
-        "triu",
-        "view",
-        "view_as",
-        "reshape",
-        "reshape_as",
-        "flatten",
-        "unflatten",
-        "squeeze",
-        "unsqueeze",
-        "permute",
-        "transpose",
-        "swapaxes",
-        "swapdims",
-        "t",
-        "T",
-        "mT",
-        "movedim",
-        "moveaxis",
-        "expand",
-        "expand_as",
-        "broadcast_to",
-        "repeat",
-        "repeat_interleave",
-        "tile",
-        "cat",
-        "concat",
-        "concatenate",
-        "stack",
-        "hstack",
-        "vstack",
-        "dstack",
-        "split",
-        "split_with_sizes",
-        "tensor_split",
-        "chunk",
-        "unbind",
-        "narrow",
-        "select",
-        "index_select",
-        "gather",
-        "take_along_dim",
-        "getitem",
-        "setitem",
-        "clone",
-        "contiguous",
-        "to",
-        "type",
-        "double",
-        "float",
-        "half",
-        "bfloat16",
-        "cpu",
-        "cuda",
-        "flip",
-        "fliplr",
-        "flipud",
-        "roll",
-        "rot90",
-        "pad",
-        "avg_pool1d",
-        "avg_pool2d",
-        "avg_pool3d",
-        "adaptive_avg_pool1d",
-        "adaptive_avg_pool2d",
-        "adaptive_avg_pool3d",
-        "interpolate",
-        "upsample",
-        "pixel_shuffle",
-        "pixel_unshuffle",
-        "unfold",
-        "fold",
-        "real",
-        "requires_grad_",
-        "masked_select",
-        "relu",
-        "relu6",
-        "leaky_relu",
-        "hardtanh",
-        "abs",
-        "absolute",
-        "clamp",
-        "clip",
-        "clamp_min",
-        "clamp_max",
-        "max",
-        "min",
-        "amax",
-        "amin",
-        "maximum",
-        "minimum",
-        "fmax",
-        "fmin",
-        "max_pool1d",
-        "max_pool2d",
-        "max_pool3d",
-        "max_pool1d_with_indices",
-        "max_pool2d_with_indices",
-        "max_pool3d_with_indices",
-        "adaptive_max_pool1d",
-        "adaptive_max_pool2d",
-        "where",
-        "masked_fill",
-        "threshold",
-        "sort",
-        "topk",
-        "dropout",
-        "dropout1d",
-        "dropout2d",
-        "dropout3d",
-        "alpha_dropout",
-        "feature_alpha_dropout",
-    ]
-)
+
+def _ops(names: str) -> list[str]:
+    """Op names written as whitespace-separated words (the lists below are long)."""
+    return names.split()
+
+
+_AFFINE = frozenset(_ops("""
+    add sub rsub neg negative positive sum mean nansum cumsum trace diagonal diag diag_embed tril triu
+    view view_as reshape reshape_as flatten unflatten squeeze unsqueeze permute transpose swapaxes swapdims
+    t T mT movedim moveaxis expand expand_as broadcast_to repeat repeat_interleave tile
+    cat concat concatenate stack hstack vstack dstack split split_with_sizes tensor_split chunk unbind
+    narrow select index_select gather take_along_dim getitem setitem masked_select
+    clone contiguous to type double float half bfloat16 cpu cuda real requires_grad_
+    flip fliplr flipud roll rot90 pad avg_pool1d avg_pool2d avg_pool3d adaptive_avg_pool1d adaptive_avg_pool2d
+    adaptive_avg_pool3d interpolate upsample pixel_shuffle pixel_unshuffle unfold fold
+""") + _ops("""
+    relu relu6 leaky_relu hardtanh abs absolute clamp clip clamp_min clamp_max max min amax amin maximum minimum
+    fmax fmin max_pool1d max_pool2d max_pool3d max_pool1d_with_indices max_pool2d_with_indices
+    max_pool3d_with_indices adaptive_max_pool1d adaptive_max_pool2d where masked_fill threshold sort topk
+    dropout dropout1d dropout2d dropout3d alpha_dropout feature_alpha_dropout
+"""))  # the first group is affine; the second piecewise linear (zero curvature), treated as affine
 # multilinear: affine in each operand; at most one operand may depend on x
-_MULTILINEAR = frozenset(
-    [
-        "mul",
-        "multiply",
-        "matmul",
-        "mm",
-        "bmm",
-        "mv",
-        "dot",
-        "vdot",
-        "inner",
-        "outer",
-        "ger",
-        "linear",
-        "bilinear",
-        "einsum",
-        "tensordot",
-        "kron",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "conv_transpose1d",
-        "conv_transpose2d",
-        "conv_transpose3d",
-    ]
-)
+_MULTILINEAR = frozenset(_ops("""
+    mul multiply matmul mm bmm mv dot vdot inner outer ger linear bilinear einsum tensordot kron
+    conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d
+"""))
 # first operand is added, the rest multiplied together
 _ADD_MULTILINEAR = frozenset(["addmm", "addmv", "addbmm", "baddbmm", "addr", "addcmul"])
 _DIV = frozenset(["div", "divide", "true_divide"])
