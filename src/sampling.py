@@ -1,12 +1,20 @@
-"""Annealed Langevin dynamics (NCSN; Song & Ermon 2019, Alg. 1), the sampler of the paper's §4.4 NCSN runs.
+"""Annealed Langevin dynamics (NCSN; Song & Ermon 2019), the sampler of the paper's §4.4 NCSN runs.
 
 For the noise levels σ₁ > … > σ_L, from x₀ (NCSN: uniform noise), at each level i the step size is
-αᵢ = ε·σᵢ²/σ_L² and T steps of Langevin dynamics are run with the noise-conditional score s(x, i):
+αᵢ = ε·σᵢ²/σ_L² (ε = ``step_lr``) and T steps of Langevin dynamics are run with the noise-conditional
+score s(x, i):
 
-    x ← x + (αᵢ/2)·s(x, i) + √αᵢ·z,   z ~ N(0, I)
+    x ← x + αᵢ·s(x, i) + √(2αᵢ)·z,   z ~ N(0, I)
 
-(ε = 2·10⁻⁵, T = 100 in NCSN). The optional final denoising step (Tweedie; Jolicoeur-Martineau et al. 2020,
-used by NCSNv2) replaces x by x + σ_L²·s(x, L) — the posterior mean of the clean image at the last level.
+— the Euler–Maruyama step of dx = s(x) dt + √2 dW with time step αᵢ, whose stationary law is the one with
+score s. This is the step of the reference code (NCSN's and NCSNv2's ``anneal_Langevin_dynamics``, and the
+DEQ authors' NCSN), and every published step size (ε = 2·10⁻⁵, T = 100 for NCSN on CIFAR-10) is in it.
+The NCSN paper's Algorithm 1 writes the same update as x + (α/2)·s + √α·z: its α is twice the code's, so
+ε here is half the α_paper·σ_L²/σᵢ² of that pseudo-code. (Before this was settled the project took the
+paper's form with ε in place of α_paper, i.e. half the reference's step for the same number.)
+
+The optional final denoising step (Tweedie; Jolicoeur-Martineau et al. 2020, used by NCSNv2) replaces x by
+x + σ_L²·s(x, L) — the posterior mean of the clean image at the last level.
 A pure function of the score: the caller chooses the weights (EMA or not) and the device.
 """
 
@@ -20,7 +28,7 @@ ScoreFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [B, …], l
 
 
 def langevin_step_sizes(sigmas: torch.Tensor, step_lr: float) -> torch.Tensor:
-    """αᵢ = ε·σᵢ²/σ_L² (NCSN's anneal_Langevin_dynamics)."""
+    """αᵢ = ε·σᵢ²/σ_L² (NCSN's anneal_Langevin_dynamics): the drift coefficient of level i's step."""
     sigmas = torch.as_tensor(sigmas, dtype=torch.float64)
     return float(step_lr) * (sigmas / sigmas[-1]) ** 2
 
@@ -29,7 +37,8 @@ def langevin_step_sizes(sigmas: torch.Tensor, step_lr: float) -> torch.Tensor:
 def annealed_langevin(score_fn: ScoreFn, x0: torch.Tensor, sigmas: Sequence[float] | torch.Tensor, *,
                       n_steps_each: int = 100, step_lr: float = 2e-5, denoise: bool = False,
                       generator: torch.Generator | None = None,
-                      on_level_end: Callable[[int, torch.Tensor], None] | None = None) -> torch.Tensor:
+                      on_level_end: Callable[[int, torch.Tensor], None] | None = None,
+                      progress: Callable[[int], None] | None = None) -> torch.Tensor:
     """Run annealed Langevin dynamics from ``x0`` and return the final samples (see the module docstring).
 
     Args:
@@ -37,11 +46,14 @@ def annealed_langevin(score_fn: ScoreFn, x0: torch.Tensor, sigmas: Sequence[floa
         x0: the starting points ``[B, …]`` (NCSN: U(0, 1) images).
         sigmas: the L noise levels, decreasing.
         n_steps_each: T, steps per level (≥ 1).
-        step_lr: ε, the step size at the last level.
+        step_lr: ε, the step size at the last level in the reference code's convention: level i moves by
+            αᵢ·s with αᵢ = ε·σᵢ²/σ_L² and adds noise of variance 2αᵢ.
         denoise: add the final denoising step x + σ_L²·s(x, L).
         generator: for the Langevin noise (reproducible samples).
         on_level_end: called as ``on_level_end(i, x)`` after the T steps of level i (diagnostics of the
             trajectory, e.g. ``benchmarks/ncsn_sampler_drift.py``); it must not change ``x``.
+        progress: called as ``progress(1)`` after every Langevin step (L·T calls in all; e.g. a progress
+            bar's ``update``). The denoising step is not counted.
     """
     if int(n_steps_each) < 1 or float(step_lr) <= 0:
         raise ValueError(f"annealed Langevin needs n_steps_each >= 1 and step_lr > 0, got {n_steps_each}, {step_lr}")
@@ -52,9 +64,12 @@ def annealed_langevin(score_fn: ScoreFn, x0: torch.Tensor, sigmas: Sequence[floa
     x = x0.clone()
     for i, alpha in enumerate(alphas):
         labels = torch.full((x.shape[0],), i, dtype=torch.long, device=x.device)
+        noise_scale = (2 * alpha) ** 0.5
         for _ in range(int(n_steps_each)):
             z = torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
-            x = x + (alpha / 2) * score_fn(x, labels) + alpha**0.5 * z
+            x = x + alpha * score_fn(x, labels) + noise_scale * z
+            if progress is not None:
+                progress(1)
         if on_level_end is not None:
             on_level_end(i, x)
     if denoise:
