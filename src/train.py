@@ -21,12 +21,19 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from src.callbacks.checkpoint import LastCheckpoint
 from src.callbacks.ema import check_resume
 from src.callbacks.profiling import ProfilingCallback
-from src.checkpoints import AtomicCheckpointIO, check_checkpoint_file
+from src.checkpoints import (
+    AtomicCheckpointIO,
+    check_checkpoint_file,
+    check_matches_model,
+    remove_stale_temporaries,
+)
+from src.metrics.presets import apply_eval_preset
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +104,31 @@ def follow_optimization_mode(trainer_cfg: DictConfig, model: L.LightningModule) 
     return trainer_cfg
 
 
+def follow_ddp_needs(trainer_cfg: DictConfig, model: L.LightningModule) -> DictConfig:
+    """``trainer.strategy=ddp`` for a module whose backward passes each reach only part of it (the VAE's two
+    manual optimisers: ``ddp_find_unused_parameters = True``, which says why) becomes Lightning's
+    ``ddp_find_unused_parameters_true``. Any other strategy the user names is kept as given."""
+    if not getattr(model, "ddp_find_unused_parameters", False) or trainer_cfg.get("strategy") != "ddp":
+        return trainer_cfg
+    trainer_cfg = trainer_cfg.copy()
+    with open_dict(trainer_cfg):
+        trainer_cfg.strategy = "ddp_find_unused_parameters_true"
+    return trainer_cfg
+
+
+def one_last_checkpoint(callbacks: list) -> None:
+    """``last.ckpt`` has one writer, :class:`~src.callbacks.checkpoint.LastCheckpoint` (which writes every
+    checkpoint as it first): a ``ModelCheckpoint`` asked for ``save_last`` beside it would add ``last-v1.ckpt``,
+    so its ``save_last`` is switched off (last.ckpt is there all the same)."""
+    if not any(isinstance(cb, LastCheckpoint) for cb in callbacks):
+        return
+    for cb in callbacks:
+        if isinstance(cb, ModelCheckpoint) and cb.save_last:
+            log.info("ModelCheckpoint(save_last=%s) -> false: last.ckpt is written by callbacks.last_checkpoint",
+                     cb.save_last)
+            cb.save_last = False
+
+
 def _output_dir(cfg: DictConfig) -> Path:
     try:
         return Path(cfg.paths.output_dir)
@@ -117,6 +149,7 @@ def _wandb_group(cfg: DictConfig) -> str | None:
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train and test one configuration; return the metrics written to ``metrics.json``."""
     validate_config(cfg)
+    eval_record = apply_eval_preset(cfg)  # eval=quick|standard|paper|auto: the test phase's cost, logged
     set_float_environment(cfg)
     L.seed_everything(cfg.seed, workers=True)
     out_dir = _output_dir(cfg)
@@ -132,6 +165,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = _instantiate_group(cfg.get("logger"))
     trainer_cfg = follow_optimization_mode(cfg.trainer, model)
+    trainer_cfg = follow_ddp_needs(trainer_cfg, model)
     if cfg.get("ckpt_path"):
         # No sanity validation when resuming: run mid-training it has side effects an uninterrupted run does
         # not have at that point (it draws from the global RNG as its loader starts, refits evaluation state),
@@ -139,8 +173,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         trainer_cfg = trainer_cfg.copy()
         with open_dict(trainer_cfg):
             trainer_cfg.num_sanity_val_steps = 0
-    # an EMA checkpoint resumed without ema=true is refused as it is loaded (the one load of the file)
-    checkpoint_io = AtomicCheckpointIO(validators=[functools.partial(check_resume, callbacks=callbacks)])
+    one_last_checkpoint(callbacks)
+    # checked as it is loaded (the one load of the file): weights-only unless trust_checkpoint=true, of this
+    # model's family and shapes, and an EMA checkpoint is refused without ema=true
+    trust = bool(cfg.get("trust_checkpoint", False))
+    checkpoint_io = AtomicCheckpointIO(validators=[functools.partial(check_matches_model, model=model),
+                                                   functools.partial(check_resume, callbacks=callbacks)],
+                                       trust=trust)
     trainer: L.Trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False,
                                      plugins=[checkpoint_io])
     for lg in loggers:
@@ -152,7 +191,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # cheap checks now (a clear error before any training set-up); the checkpoint's content is checked
         # once, as Lightning loads it through AtomicCheckpointIO
         check_checkpoint_file(cfg.ckpt_path)
-    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=False)
+        remove_stale_temporaries(Path(cfg.ckpt_path).parent)  # a killed save's leftovers
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=not trust)
 
     metrics: dict[str, Any] = {
         "n_params": n_params,
@@ -165,7 +205,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     for cb in callbacks:
         if isinstance(cb, ProfilingCallback):
             metrics.update(cb.summary)
-    ckpt_cb = getattr(trainer, "checkpoint_callback", None)
+    # the best-checkpoint callback (trainer.checkpoint_callback is the first Checkpoint, maybe last_checkpoint)
+    ckpt_cb = next((cb for cb in trainer.checkpoint_callbacks if isinstance(cb, ModelCheckpoint)), None)
     best = getattr(ckpt_cb, "best_model_path", "") if ckpt_cb is not None else ""
     if best and getattr(ckpt_cb, "monitor", None) and ckpt_cb.best_model_score is not None:
         metrics[f"best/{ckpt_cb.monitor}"] = float(ckpt_cb.best_model_score)
@@ -174,8 +215,9 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         metrics.update(ddp_consistency(trainer, model))
     if cfg.get("test", True):
         # every rank tests its shard of the test set; the metrics are reduced across ranks (torchmetrics)
-        trainer.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=False)
+        trainer.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=True)
         metrics.update(model.test_results)
+        metrics.update(eval_record)  # the preset and the sample counts behind the test figures
         metrics["tested_checkpoint"] = best or "final weights"
     if not trainer.is_global_zero:
         return metrics

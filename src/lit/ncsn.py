@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
+from src import progress
 from src.lit.base import DeqsmModule, as_plain, batch_tensor
 from src.metrics.evaluation import seeded_rng
 from src.models.ncsn import NCSN, geometric_sigmas
@@ -144,19 +145,27 @@ class NCSNLitModule(DeqsmModule):
         for key, value in extra.items():
             self.log(key, value)
         self.test_results.update(extra)
+        # the sampler behind test/fid and samples.png, beside the figures (a short sampler's FID is not the paper's)
+        self.test_results.update({"test/langevin_n_steps_each": float(self.sampling["n_steps_each"]),
+                                  "test/langevin_step_lr": float(self.sampling["step_lr"]),
+                                  "test/langevin_levels": float(self.net.sigmas.numel())})
 
     # ------------------------------------------------------------------ samples
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
-        """Annealed Langevin dynamics (``model.sampling``) from uniform noise on the pixel range."""
+        """Annealed Langevin dynamics (``model.sampling``) from uniform noise on the pixel range, shown as a
+        progress task of levels × steps (:mod:`src.progress`; silent without a progress bar)."""
         x0 = torch.rand((n, *self.data_shape), generator=generator, device=self.device, dtype=self.dtype)
         if self.pixel_range == "symmetric":
             x0 = 2 * x0 - 1
         was_training = self.net.training
         self.net.eval()
+        steps = int(self.sampling["n_steps_each"])
         try:
-            return annealed_langevin(self.net.score, x0, self.net.sigmas.to(self.dtype),
-                                     n_steps_each=int(self.sampling["n_steps_each"]),
-                                     step_lr=float(self.sampling["step_lr"]), denoise=bool(self.sampling["denoise"]),
-                                     generator=generator)
+            with progress.phase(self, f"Langevin sampling of {n} images (levels × steps)",
+                                self.net.sigmas.numel() * steps) as advance:
+                return annealed_langevin(self.net.score, x0, self.net.sigmas.to(self.dtype), n_steps_each=steps,
+                                         step_lr=float(self.sampling["step_lr"]),
+                                         denoise=bool(self.sampling["denoise"]), generator=generator,
+                                         progress=advance)
         finally:
             self.net.train(was_training)

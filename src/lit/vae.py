@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 import src.metrics.vae  # noqa: F401  registers model.metrics.vae
+from src import progress
 from src.lit.base import DeqsmModule, as_plain, batch_tensor
 from src.metrics.ais import ais_log_likelihood
 from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
@@ -147,10 +148,12 @@ class VAELitModule(DeqsmModule):
             return {}
         self._ais_seen += x.shape[0]
         g = torch.Generator(device=x.device).manual_seed(int(c["seed"]) + 1_000_003 * self._ais_batches)
-        ll = ais_log_likelihood(self.decoder.log_prob, x, self.latent_dim, n_steps=int(c["n_steps"]),
-                                n_chains=int(c["n_chains"]), leapfrog=int(c["leapfrog"]),
-                                step_size=float(c["step_size"]), target_accept=float(c["target_accept"]),
-                                schedule=str(c["schedule"]), generator=g)
+        with progress.phase(self, f"AIS log p(x) of {x.shape[0]} test points (annealing steps)",
+                            int(c["n_steps"])) as advance:
+            ll = ais_log_likelihood(self.decoder.log_prob, x, self.latent_dim, n_steps=int(c["n_steps"]),
+                                    n_chains=int(c["n_chains"]), leapfrog=int(c["leapfrog"]),
+                                    step_size=float(c["step_size"]), target_accept=float(c["target_accept"]),
+                                    schedule=str(c["schedule"]), generator=g, progress=advance)
         return {"log_likelihood": ll}
 
     def log_likelihood_constants(self) -> dict[str, float]:

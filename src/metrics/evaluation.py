@@ -30,6 +30,7 @@ import torch
 import torchmetrics
 from torch import nn
 
+from src import progress
 from src.data.contract import ScoreDataModule
 from src.objectives.base import compute_score
 from src.objectives.sm import sm as exact_sm
@@ -45,6 +46,30 @@ def seeded_rng(seed: int, device: torch.device):
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         yield
+
+
+def test_points_available(module) -> int | None:
+    """How many test points the run's test loop will see (dataset size, capped by ``limit_test_batches``), for
+    progress totals; None when unknown (outside a Trainer)."""
+    trainer = getattr(module, "_trainer", None)
+    try:
+        loaders = trainer.test_dataloaders
+        loaders = loaders if isinstance(loaders, (list, tuple)) else [loaders]
+        n_batches = trainer.num_test_batches
+        n_batches = n_batches if isinstance(n_batches, (list, tuple)) else [n_batches]
+        total = 0
+        for dl, nb in zip(loaders, n_batches):
+            size = len(dl.dataset)
+            total += size if nb == float("inf") else min(size, int(nb) * int(dl.batch_size or size))
+        return total // max(1, trainer.world_size)
+    except (AttributeError, TypeError):
+        return None
+
+
+def _cap(points: int | None, available: int | None) -> int | None:
+    if points is None:
+        return available
+    return points if available is None else min(points, available)
 
 
 class _MeanAndStderr(nn.Module):
@@ -105,12 +130,14 @@ class ExactSMLoss(EvalMetric):
     """Exact SM loss (eq. 1) per sample, ½‖s‖² + tr ∇ₓs, averaged, **not** divided by D — the common yardstick.
 
     ``val_points``: at most this many points of each validation batch; ``test_points``: at most this many
-    test points in all (per rank). Refuses D > ``max_dim`` (3072-d CIFAR-10 would cost 3072 backward passes
+    test points in all (per rank); ``<stage>/sm_loss_n_points`` records how many were used. The test points
+    show as a progress task (:mod:`src.progress`). Refuses D > ``max_dim`` (3072-d CIFAR-10 would cost 3072 backward passes
     per batch): use a sliced or denoising test loss there, or raise ``max_dim`` knowingly.
     """
 
     name = "exact_sm"
     stages = ("val", "test")
+    PROGRESS_CHUNK = 16  # test points per progress update
 
     def __init__(self, val_points: int | None = None, test_points: int | None = None,
                  max_dim: int = EXACT_SM_MAX_DIM):
@@ -120,6 +147,7 @@ class ExactSMLoss(EvalMetric):
         self.max_dim = int(max_dim)
         self.val = _MeanAndStderr()
         self.test = _MeanAndStderr()
+        self._progress: progress.Phase | None = None
 
     def setup(self, module, datamodule: ScoreDataModule) -> None:
         d = datamodule.data_dim
@@ -139,15 +167,28 @@ class ExactSMLoss(EvalMetric):
             x = x[: max(0, self.test_points - acc.local_count)]
         if x.shape[0] == 0:
             return
-        with torch.enable_grad():
-            per_sample = exact_sm(module.eval_model(), x, create_graph=False).per_sample.detach()
-        acc.update(per_sample)
+        if stage == "test":
+            if self._progress is None:  # one task over the whole test set (D backward passes per point)
+                self._progress = progress.Phase(module, f"exact SM loss (test points, D={x[0].numel()})",
+                                                _cap(self.test_points, test_points_available(module)))
+            chunks = x.split(self.PROGRESS_CHUNK)  # per-point values: chunking changes no number
+        else:
+            chunks = (x,)
+        for chunk in chunks:
+            with torch.enable_grad():
+                per_sample = exact_sm(module.eval_model(), chunk, create_graph=False).per_sample.detach()
+            acc.update(per_sample)
+            if stage == "test":
+                self._progress.advance(chunk.shape[0])
 
     def compute(self, module, stage):
+        if stage == "test" and self._progress is not None:
+            self._progress.close()
+            self._progress = None
         m, se, n = (self.val if stage == "val" else self.test).compute()
         if n == 0:
             return {}
-        return {f"{stage}/sm_loss": m, f"{stage}/sm_loss_stderr": se}
+        return {f"{stage}/sm_loss": m, f"{stage}/sm_loss_stderr": se, f"{stage}/sm_loss_n_points": float(n)}
 
 
 class GroundTruthMetrics(EvalMetric):
@@ -230,7 +271,9 @@ class NoiseConditionalLosses(EvalMetric):
     (:func:`src.objectives.conditional.noise_conditional`). Reports ``test/<loss>_loss`` (the mean over
     levels, i.e. the expectation under NCSN's uniform level distribution) and ``test/<loss>_loss/sigma_<i>``.
     The perturbation noise is seeded (``seed``, batch number, level), so re-evaluation repeats exactly, and
-    drawn under ``torch.random.fork_rng`` so evaluation never moves the training RNG. The module provides
+    drawn under ``torch.random.fork_rng`` so evaluation never moves the training RNG. ``test_points``: at most
+    this many test points (per rank; null: the whole test loop); ``test/noise_conditional_n_points`` records how
+    many were used. The module provides
     ``noise_levels`` (a 1-D tensor σ₁ > … > σ_L) and a model with ``score(x, labels)``.
     """
 
@@ -239,15 +282,20 @@ class NoiseConditionalLosses(EvalMetric):
     LOSSES = ("dsm", "ssm_vr")
 
     def __init__(self, losses: list[str] | tuple[str, ...] = ("dsm", "ssm_vr"), seed: int = 0,
-                 n_projections: int = 1):
+                 n_projections: int = 1, test_points: int | None = None):
         super().__init__()
         losses = [losses] if isinstance(losses, str) else list(losses)
         bad = [n for n in losses if n not in self.LOSSES]
         if bad or not losses:
             raise ValueError(f"model.metrics.noise_conditional.losses={losses}: choose from {', '.join(self.LOSSES)}")
         self.losses, self.seed, self.n_projections = losses, int(seed), int(n_projections)
+        self.test_points = None if test_points is None else int(test_points)
+        if self.test_points is not None and self.test_points < 1:
+            raise ValueError(f"model.metrics.noise_conditional.test_points={test_points}: give >= 1, or null (all)")
         self.acc = nn.ModuleDict()
         self._batches = 0
+        self._seen = 0
+        self._progress: progress.Phase | None = None
 
     def setup(self, module, datamodule):
         if getattr(module, "noise_levels", None) is None:
@@ -260,6 +308,15 @@ class NoiseConditionalLosses(EvalMetric):
 
         sigmas = module.noise_levels.to(device=x.device, dtype=x.dtype)
         self._batches += 1
+        if self.test_points is not None:
+            x = x[: max(0, self.test_points - self._seen)]
+        if x.shape[0] == 0:
+            return
+        self._seen += x.shape[0]
+        if self._progress is None:  # one task over the test set: points x levels x losses evaluations
+            n = _cap(self.test_points, test_points_available(module))
+            self._progress = progress.Phase(module, "noise-conditional test losses (points × levels × losses)",
+                                            None if n is None else n * sigmas.numel() * len(self.losses))
         for name in self.losses:
             kwargs = {} if name == "dsm" else {"n_projections": self.n_projections}
             objective = get_objective(name, **kwargs)
@@ -273,9 +330,14 @@ class NoiseConditionalLosses(EvalMetric):
                 if key not in self.acc:
                     self.acc[key] = _MeanAndStderr().to(x.device)
                 self.acc[key].update(out.per_sample)
+                self._progress.advance(x.shape[0])
 
     def compute(self, module, stage):
-        out: dict[str, float] = {}
+        if self._progress is not None:
+            self._progress.close()
+            self._progress = None
+        n_points = max((acc.compute()[2] for acc in self.acc.values()), default=0)
+        out: dict[str, float] = {"test/noise_conditional_n_points": float(n_points)}
         for name in self.losses:
             levels = sorted((int(k.rsplit("_", 1)[1]), acc) for k, acc in self.acc.items()
                             if k.rsplit("_", 1)[0] == name)
@@ -289,6 +351,7 @@ class NoiseConditionalLosses(EvalMetric):
     def reset(self):
         self.acc = nn.ModuleDict()
         self._batches = 0
+        self._seen = 0
 
 
 class FID(EvalMetric):
@@ -298,7 +361,8 @@ class FID(EvalMetric):
     from ``weights``, a file the user gives — CIFAR-10, CelebA). Samples come from ``module.sample_pixels``
     (EMA weights when EMA is on), real images from the data contract's ``split_tensor("test")`` through
     ``to_pixels``. Under DDP each rank draws its share of both sets and torchmetrics sums the feature
-    statistics across ranks. Computed once per test epoch, at its end.
+    statistics across ranks. Computed once per test epoch, at its end, with a progress task over the images
+    (the sampler may show its own, e.g. Langevin levels × steps); ``test/fid_n_samples`` records the count.
     """
 
     name = "fid"
@@ -338,16 +402,21 @@ class FID(EvalMetric):
                              "images: lower it")
         real = self._dm.to_pixels(real[list(share)])
         n_fake = len(share)
-        for start in range(0, max(real.shape[0], n_fake), self.batch_size):
-            if start < real.shape[0]:
-                fid.update(real[start:start + self.batch_size].to(module.device).float(), real=True)
-            if start < n_fake:
-                k = min(self.batch_size, n_fake - start)
-                fake = module.sample_pixels(k, seed=self.seed + 104729 * rank + start)
-                if fake is None:
-                    raise ValueError(f"model.metrics.fid: {type(module).__name__} does not generate samples")
-                fid.update(fake.to(module.device).float(), real=False)
-        return {"test/fid": float(fid.compute())}
+        with progress.phase(module, f"FID ({self.kind} features): real + generated images",
+                            real.shape[0] + n_fake) as advance:
+            for start in range(0, max(real.shape[0], n_fake), self.batch_size):
+                if start < real.shape[0]:
+                    batch = real[start:start + self.batch_size]
+                    fid.update(batch.to(module.device).float(), real=True)
+                    advance(batch.shape[0])
+                if start < n_fake:
+                    k = min(self.batch_size, n_fake - start)
+                    fake = module.sample_pixels(k, seed=self.seed + 104729 * rank + start)
+                    if fake is None:
+                        raise ValueError(f"model.metrics.fid: {type(module).__name__} does not generate samples")
+                    fid.update(fake.to(module.device).float(), real=False)
+                    advance(k)
+        return {"test/fid": float(fid.compute()), "test/fid_n_samples": float(self.n_samples)}
 
 
 METRICS: dict[str, type[EvalMetric]] = {

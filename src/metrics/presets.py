@@ -1,0 +1,147 @@
+"""Evaluation presets (``eval=quick|standard|paper|auto``, conf/eval/): how much the test phase costs.
+
+A preset is a list of settings of *existing* keys of the composed config — ``model.metrics.*`` (test points,
+FID samples), ``model.sampling`` (the Langevin sampler behind FID), ``model.evaluation.*`` (AIS, DKEF's
+importance samples), ``trainer.limit_test_batches`` — applied once at start-up by :func:`apply_eval_preset`:
+
+- ``mode: cap`` (quick): each value is an upper bound. A smaller configured value stays; null (no bound) is
+  replaced. A mapping value is one unit (a sampler's steps T and its step size ε): applied whole when it lowers
+  its first entry.
+- ``mode: set`` (paper; standard sets nothing): each value replaces the configured one.
+
+In both modes a key the model family does not have is skipped (a DKEF run has no ``model.metrics.fid``), a
+metric switched off (``model.metrics.<name>: null``) stays off, and a key given on the command line wins over
+the preset. ``eval=auto`` (the default) picks ``quick`` for a CPU run of at most ``eval.quick_max_steps``
+training steps (or ``trainer.fast_dev_run``), else ``standard``; ``paper`` is only ever chosen by name.
+The choice and the reason are logged at start-up; :func:`apply_eval_preset` returns ``eval/preset`` and the
+value in force of every key the preset governs (``eval/<key>``), which ``src.train`` writes to metrics.json
+beside the figures, so a quick FID is never mistaken for a paper FID.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+log = logging.getLogger(__name__)
+
+PRESETS = ("quick", "standard", "paper")
+PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "eval"
+_MISSING = object()
+
+
+def load_preset(name: str) -> DictConfig:
+    """``conf/eval/<name>.yaml`` (one of :data:`PRESETS`)."""
+    if name not in PRESETS:
+        raise ValueError(f"eval={name!r} is not an evaluation preset; valid: auto, {', '.join(PRESETS)}")
+    return OmegaConf.load(PRESET_DIR / f"{name}.yaml")
+
+
+def _on_gpu(trainer: Mapping) -> bool:
+    acc = str(trainer.get("accelerator", "cpu")).lower()
+    if acc == "auto":
+        return torch.cuda.is_available()
+    return acc in ("gpu", "cuda", "mps", "tpu")
+
+
+def choose_preset(cfg: DictConfig) -> tuple[str, str]:
+    """(preset name, reason) for ``cfg.eval`` (``auto`` resolved from the accelerator and the run's length)."""
+    ev = cfg.get("eval")
+    name = "standard" if ev is None else str(ev.get("name", "standard"))
+    if name != "auto":
+        load_preset(name)  # a clear error for an unknown name
+        return name, f"eval={name}"
+    trainer = cfg.get("trainer") or {}
+    limit = int(ev.get("quick_max_steps", 2000))
+    steps = int(trainer.get("max_steps", -1) or -1)
+    if _on_gpu(trainer):
+        return "standard", "eval=auto: a GPU run"
+    if trainer.get("fast_dev_run"):
+        return "quick", "eval=auto: a CPU fast_dev_run"
+    if 0 < steps <= limit:
+        return "quick", f"eval=auto: a CPU run of {steps} steps (<= eval.quick_max_steps={limit})"
+    length = f"{steps} steps" if steps > 0 else "an epoch-based run"
+    return "standard", f"eval=auto: a CPU run of {length}"
+
+
+def hydra_override_keys() -> set[str]:
+    """Keys set on the command line of the current Hydra run (empty outside one)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        task = HydraConfig.get().overrides.task
+    except (ValueError, ImportError, AttributeError):
+        return set()
+    return {str(o).split("=", 1)[0].lstrip("+~") for o in task if "=" in str(o)}
+
+
+def _is_explicit(key: str, explicit: Iterable[str]) -> bool:
+    return any(key == e or key.startswith(e + ".") or e.startswith(key + ".") for e in explicit)
+
+
+def _get(cfg: DictConfig, key: str):
+    node = cfg
+    for part in key.split("."):
+        if not isinstance(node, DictConfig) or part not in node:
+            return _MISSING
+        node = node[part]
+    return node
+
+
+def _set(cfg: DictConfig, key: str, value) -> None:
+    parent, _, leaf = key.rpartition(".")
+    node = _get(cfg, parent) if parent else cfg
+    with open_dict(node):
+        node[leaf] = value
+
+
+def _lowers(new, current) -> bool:
+    """Cap mode: whether ``new`` is a tighter bound than ``current`` (None = unbounded)."""
+    return current is None or (new is not None and float(new) < float(current))
+
+
+def apply_eval_preset(cfg: DictConfig, explicit: Iterable[str] | None = None) -> dict[str, Any]:
+    """Apply the preset ``cfg.eval`` names to ``cfg`` in place (see the module docstring); log the choice;
+    return ``{"eval/preset": name, "eval/<key>": value in force, ...}``. ``explicit``: keys given on the
+    command line (default: the current Hydra run's overrides)."""
+    explicit = set(hydra_override_keys() if explicit is None else explicit)
+    name, reason = choose_preset(cfg)
+    ev = cfg.get("eval")
+    # eval=<name> composes the preset into cfg.eval (so eval.settings.* can be overridden); auto loads its pick
+    preset = ev if ev is not None and ev.get("name") == name and "settings" in ev else load_preset(name)
+    cap = str(preset.get("mode", "set")) == "cap"
+    record: dict[str, Any] = {"eval/preset": name}
+    changed = []
+    for key, value in (preset.get("settings") or {}).items():
+        current = _get(cfg, key)
+        if current is _MISSING:
+            continue  # the family has no such key, or its metric is switched off (model.metrics.<name>: null)
+        if isinstance(value, DictConfig):  # a unit (sampler steps and step size)
+            if not isinstance(current, DictConfig):
+                continue
+            entries = list(value.items())
+            first_key, first = entries[0]
+            apply = not _is_explicit(key, explicit) and (not cap or _lowers(first, current.get(first_key)))
+            for k, v in entries:
+                if apply and current.get(k, _MISSING) != v:
+                    changed.append(f"{key}.{k}={v} (was {current.get(k)})")
+                    _set(cfg, f"{key}.{k}", v)
+                record[f"eval/{key}.{k}"] = _get(cfg, f"{key}.{k}")
+            continue
+        if not _is_explicit(key, explicit) and (not cap or _lowers(value, current)) and current != value:
+            changed.append(f"{key}={value} (was {current})")
+            _set(cfg, key, value)
+        record[f"eval/{key}"] = _get(cfg, key)
+    if ev is not None:
+        with open_dict(ev):
+            ev.preset = name
+    log.info("evaluation preset: %s (%s)%s%s", name, reason,
+             "; " + ", ".join(changed) if changed else "; the configuration's own settings",
+             "" if name == "paper" else ". eval=standard|paper for more test points and samples")
+    return {k: (None if v is _MISSING else OmegaConf.to_container(v) if isinstance(v, DictConfig) else v)
+            for k, v in record.items()}

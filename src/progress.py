@@ -1,0 +1,104 @@
+"""Progress of the long phases that are not training epochs: Langevin sampling, AIS, FID, exact-SM test points.
+
+Lightning's progress bar counts batches; one test batch of an image model can hide minutes of work (annealed
+Langevin dynamics runs L levels × T steps per sample batch, AIS T annealing steps per test batch, the exact SM
+loss D backward passes per point). :func:`phase` shows such a phase as its own task:
+
+    with phase(module, "Langevin sampling (levels × steps)", total=L * T) as advance:
+        annealed_langevin(..., progress=advance)      # advance(1) per step
+
+- inside the run's live Rich progress bar (Lightning's ``RichProgressBar``, the default ``callbacks=`` set) as
+  an extra task, removed when the phase ends;
+- otherwise (another progress bar, e.g. ``callbacks=minimal``'s default one) as a ``tqdm`` bar on stderr;
+- silent — ``advance`` does nothing — with ``trainer.enable_progress_bar=false``, on ranks other than 0, and
+  outside a Trainer (scripts, benchmarks), unless ``force=True``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+Advance = Callable[[int], None]
+
+
+def _noop(n: int = 1) -> None:
+    return None
+
+
+def _trainer_of(owner):
+    """The Trainer behind ``owner`` (a LightningModule or a Trainer), or None."""
+    if owner is None:
+        return None
+    if hasattr(owner, "progress_bar_callback"):
+        return owner
+    return getattr(owner, "_trainer", None)
+
+
+def enabled(owner) -> bool:
+    """Whether ``owner``'s run shows progress: a Trainer with a progress bar, on global rank 0."""
+    trainer = _trainer_of(owner)
+    if trainer is None or getattr(trainer, "progress_bar_callback", None) is None:
+        return False
+    return bool(getattr(trainer, "is_global_zero", True))
+
+
+def _live_rich_progress(trainer):
+    """Lightning's live Rich progress (``RichProgressBar.progress`` while it is started), else None."""
+    from lightning.pytorch.callbacks import RichProgressBar
+
+    cb = trainer.progress_bar_callback if trainer is not None else None
+    if not isinstance(cb, RichProgressBar) or cb.progress is None or getattr(cb, "_progress_stopped", True):
+        return None
+    return cb
+
+
+class Phase:
+    """One phase's progress display, opened at construction; ``advance(n)`` and ``close()`` (idempotent).
+    For phases that span several calls (a metric's test batches); :func:`phase` wraps it for one block."""
+
+    def __init__(self, owner, description: str, total: int | None, force: bool = False):
+        self._bar = self._task = self._tqdm = None
+        trainer = _trainer_of(owner)
+        if not (force or enabled(trainer)):
+            return
+        total = None if total is None else int(total)
+        self._bar = _live_rich_progress(trainer)
+        if self._bar is not None:
+            self._task = self._bar.progress.add_task(description, total=total)
+            return
+        from tqdm.auto import tqdm
+
+        self._tqdm = tqdm(total=total, desc=description, leave=False, dynamic_ncols=True, mininterval=1.0)
+
+    @property
+    def active(self) -> bool:
+        return self._task is not None or self._tqdm is not None
+
+    def advance(self, n: int = 1) -> None:
+        if self._task is not None:
+            self._bar.progress.update(self._task, advance=n)
+            self._bar.refresh()
+        elif self._tqdm is not None:
+            self._tqdm.update(n)
+
+    __call__ = advance
+
+    def close(self) -> None:
+        if self._task is not None:
+            with contextlib.suppress(Exception):  # the bar may have been torn down by an exception
+                self._bar.progress.remove_task(self._task)
+        if self._tqdm is not None:
+            self._tqdm.close()
+        self._bar = self._task = self._tqdm = None
+
+
+@contextlib.contextmanager
+def phase(owner, description: str, total: int | None, force: bool = False) -> Iterator[Advance]:
+    """Show ``description`` with ``total`` units while the block runs; yields ``advance(n)`` (see the module
+    docstring; a no-op when the run shows no progress). ``force``: show it even without a Trainer."""
+    p = Phase(owner, description, total, force=force)
+    try:
+        yield p.advance if p.active else _noop
+    finally:
+        p.close()

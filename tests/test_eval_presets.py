@@ -1,0 +1,106 @@
+"""Evaluation presets (conf/eval/, src/metrics/presets.py): which preset a run gets, what each one sets, and that
+the preset and its sample counts reach metrics.json."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from omegaconf import open_dict
+
+from src.metrics.presets import apply_eval_preset, choose_preset
+from src.train import train
+from tests.conftest import FAST, compose_train
+
+NCSN = ["model=ncsn", "data=mnist_images", "loss=ssm_vr"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["trainer.max_steps=50"], "quick"),                       # a short CPU run
+    (["trainer.max_steps=2000"], "quick"),                     # the bound itself
+    (["trainer.max_steps=2001"], "standard"),
+    (["trainer.max_epochs=3"], "standard"),                    # epoch-based: the configuration's own settings
+    (["trainer.fast_dev_run=true"], "quick"),
+    (["trainer=gpu", "trainer.max_steps=50"], "standard"),     # a GPU run is never cut short automatically
+    (["eval=paper", "trainer.max_steps=50"], "paper"),
+    (["eval=standard", "trainer.max_steps=50"], "standard"),
+    (["eval.quick_max_steps=10", "trainer.max_steps=50"], "standard"),
+])
+def test_auto_choice_follows_accelerator_and_run_length(overrides, expected):
+    name, reason = choose_preset(compose_train(overrides))
+    assert name == expected, reason
+
+
+def test_unknown_preset_is_one_clear_error():
+    cfg = compose_train([])
+    cfg.eval.name = "fast"
+    with pytest.raises(ValueError, match=r"^eval='fast' is not an evaluation preset; valid: auto, quick, standard, paper$"):
+        choose_preset(cfg)
+
+
+def test_quick_caps_existing_keys_only():
+    cfg = compose_train([*NCSN, "trainer.max_steps=50"])
+    assert cfg.model.metrics.fid.n_samples == 1000 and cfg.model.sampling.n_steps_each == 100
+    record = apply_eval_preset(cfg, explicit=[])
+    assert record["eval/preset"] == "quick" and cfg.eval.preset == "quick"
+    assert cfg.model.metrics.fid.n_samples == 250
+    # the sampler is shortened as a unit: T = 10 at eps 2e-4 (T * eps = NCSN's 100 * 2e-5)
+    assert cfg.model.sampling.n_steps_each == 10 and cfg.model.sampling.step_lr == pytest.approx(2e-4)
+    assert cfg.model.sampling.denoise is False  # a key of the unit the preset does not name stays
+    assert cfg.model.metrics.noise_conditional.test_points == 256
+    assert cfg.model.metrics.exact_sm is None  # switched off by the family: stays off
+    assert "ais" not in cfg.model.get("evaluation", {}) and "ll_samples" not in cfg.model.get("evaluation", {})
+    assert record["eval/model.metrics.fid.n_samples"] == 250
+    assert record["eval/model.sampling.n_steps_each"] == 10
+    assert "eval/model.metrics.exact_sm.test_points" not in record
+
+
+def test_quick_keeps_smaller_values_and_command_line_keys():
+    cfg = compose_train([*NCSN, "trainer.max_steps=50", "model.metrics.fid.n_samples=8",
+                         "model.sampling.n_steps_each=3", "model.metrics.noise_conditional.test_points=999"])
+    apply_eval_preset(cfg, explicit=["model.metrics.noise_conditional.test_points"])
+    assert cfg.model.metrics.fid.n_samples == 8                           # already below the cap
+    assert cfg.model.sampling.n_steps_each == 3                           # T = 3 < 10: the unit is not applied
+    assert cfg.model.sampling.step_lr == pytest.approx(2e-5)
+    assert cfg.model.metrics.noise_conditional.test_points == 999         # given on the command line
+    cfg = compose_train([*NCSN, "trainer.max_steps=50", "model.metrics.fid=null"])
+    apply_eval_preset(cfg, explicit=[])
+    assert cfg.model.metrics.fid is None                                  # switched off: stays off
+
+
+def test_paper_sets_the_paper_protocol():
+    cfg = compose_train(["experiment=vae_mnist", "eval=paper"])
+    record = apply_eval_preset(cfg, explicit=[])
+    ais = cfg.model.evaluation.ais
+    assert (ais.n_steps, ais.n_chains, ais.leapfrog, ais.test_points) == (1000, 16, 10, 10000)
+    assert cfg.model.metrics.fid.n_samples == 10000 and cfg.model.metrics.vae.test_points is None
+    assert record["eval/model.evaluation.ais.n_steps"] == 1000
+    cfg = compose_train(["experiment=ncsn_mnist", "eval=paper"])
+    apply_eval_preset(cfg, explicit=[])
+    assert cfg.model.sampling.n_steps_each == 100 and cfg.model.sampling.step_lr == pytest.approx(2e-5)
+    assert cfg.trainer.limit_test_batches is None  # the whole test set (the experiment tests 2 batches)
+    cfg = compose_train(["experiment=dkef_uci", "data=redwine", "eval=paper", "model.evaluation.ll_samples=10"])
+    apply_eval_preset(cfg, explicit=["model.evaluation.ll_samples"])
+    assert cfg.model.evaluation.ll_samples == 10 and "fid" not in cfg.model.metrics
+
+
+def test_standard_changes_nothing():
+    cfg = compose_train(["experiment=ncsn_mnist", "eval=standard"])
+    before = cfg.copy()
+    apply_eval_preset(cfg, explicit=[])
+    assert cfg.eval.preset == "standard"
+    with open_dict(cfg):
+        del cfg.eval["preset"]
+    assert cfg == before
+
+
+def test_preset_and_its_counts_reach_metrics_json(tmp_path):
+    cfg = compose_train([*FAST, "trainer.max_steps=3", "trainer.enable_progress_bar=false",
+                         "model.metrics.exact_sm.test_points=300"], tmp_path)
+    train(cfg)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["eval/preset"] == "quick"
+    assert saved["eval/model.metrics.exact_sm.test_points"] == 256       # the cap of quick, not the 300 asked
+    assert saved["eval/model.evaluation.ll_samples"] == 2000             # FAST's smaller value stays
+    assert saved["test/sm_loss_n_points"] == 32                          # the whole (32-point) test set
+    assert saved["config"]["eval"]["preset"] == "quick"
