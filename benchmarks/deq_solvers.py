@@ -1,9 +1,10 @@
 """Forward-solver benchmark: iterations and wall time to tolerance for picard, anderson and broyden.
 
-    python benchmarks/deq_solvers.py [--root ../shared/data] [--train-steps 150] [--tol 1e-5]
+    python benchmarks/deq_solvers.py [--root data] [--train-steps 150] [--tol 1e-5]
 
 Three blocks:
-- a *trained* DKEF feature block (DEQ-DKEF trained with exact SM on RedWine for ``--train-steps`` steps);
+- a *trained* DKEF feature block (DEQ-DKEF trained with exact SM on RedWine for ``--train-steps`` steps of
+  ``DKEFLitModule.training_objective``, α fitted on one half of each batch, the loss on the other);
 - a NICE-sized block (in 392 → width 1000, as one coupling of DEQ-NICE), on MNIST logit-space halves;
 - a slow block: W ≈ rank one, the slowest contraction the Frobenius normalization allows (rate ≈ 1/λ).
 Each block is solved at the training normalization (λ = 2: fast contraction) and at λ = 1.1 (slow
@@ -24,16 +25,13 @@ import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import DATA_ROOT, RESULTS
 
 from src.data.datamodules import UCIDataModule
 from src.deq.block import DenseDEQBlock
 from src.deq.config import DEQConfig
 from src.deq.solvers import solve
-from src.models.dkef import DKEF
-from src.objectives.sm import sm
+from src.lit.dkef import DKEFLitModule
 
 SOLVERS = ("picard", "anderson", "broyden")
 
@@ -92,39 +90,34 @@ def bench_block(name: str, block: DenseDEQBlock, batches: list[torch.Tensor], st
 
 
 def trained_dkef_block(root: str, steps: int, seed: int):
+    """DEQ-DKEF (``DKEFLitModule``, exact SM, depth 1, Picard) trained ``steps`` Adam steps on RedWine; its
+    feature block, 8 full training batches, and the module's own training step on a batch (the "step")."""
     torch.manual_seed(seed)
     dm = UCIDataModule("redwine", root, batch_size=128)
     dm.setup("fit")
     deq = {"enabled": True, "solver": "picard", "tol": 1e-5, "max_iter": 128, "phantom_steps": 2,
            "warm_start": True, "norm_lambda": 2.0}
-    model = DKEF(dm.dim, deq=deq, depth=1)
+    module = DKEFLitModule(dm.dim, loss={"name": "sm"}, deq=deq, depth=1)
     with torch.no_grad():
-        model.inducing.copy_(dm.train_data[torch.randperm(dm.train_data.shape[0])[:200]])
-    opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-12)
+        module.net.inducing.copy_(dm.train_data[torch.randperm(dm.train_data.shape[0])[:200]])
+    opt = torch.optim.Adam(module.parameters(), lr=1e-3, weight_decay=1e-12)
+
+    def step_fn(x):
+        """One optimiser step of the whole model on x (the block gets new weights)."""
+        loss = module.training_objective(x).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
     done = 0
     while done < steps:
         for x in dm.train_dataloader():
             if done >= steps:
                 break
-            half = x.shape[0] // 2
-            alpha = model.fit_alpha(x[:half], "exact")
-            loss = sm(model.with_alpha(alpha), x[half:]).loss
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+            step_fn(x)
             done += 1
-    block = model.features[0].block
+    block = module.net.features[0].block
     batches = list(dm.train_data[: 8 * 128].split(128))  # 8 full batches: warm starts need equal shapes
-
-    def step_fn(x):
-        # one optimiser step of the whole model on x, then the block has new weights
-        half = x.shape[0] // 2
-        alpha = model.fit_alpha(x[:half], "exact")
-        loss = sm(model.with_alpha(alpha), x[half:]).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-
     return block, batches, step_fn
 
 
@@ -183,7 +176,7 @@ def to_markdown(rows, meta) -> str:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--root", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--root", default=str(DATA_ROOT), help="data.root (RedWine and MNIST)")
     p.add_argument("--train-steps", type=int, default=150)
     p.add_argument("--tol", type=float, default=1e-5)
     p.add_argument("--max-iter", type=int, default=500)
@@ -192,7 +185,7 @@ def main(argv=None):
     p.add_argument("--lambdas", default="2.0,1.1",
                    help="norm_lambda values to solve each block at: 2.0 trains (fast contraction, ~6 iterations); "
                         "values near 1 give the slow contraction (rate up to 1/lambda) where acceleration matters")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []

@@ -22,20 +22,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
+from _common import RESULTS, device_name, measured
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from src.callbacks.profiling import SavedTensorsMeter
 from src.deq.config import DEQConfig
 from src.lit.dkef import DKEFLitModule
+from src.reporting import rerender
 
 # name -> (batch, hidden width of explicit layers, DEQ width); the DKEF defaults otherwise (M = 200 inducing
 # points, 3 kernels, feature dim 30).
@@ -55,30 +51,21 @@ def build(dim: int, deq: bool, depth: int, hidden: int, deq_width: int, loss: st
 
 
 def measure(module: DKEFLitModule, x_batches: list[torch.Tensor], warmup: int, device: str) -> dict:
+    """The module's training objective on each batch, backward, one Adam step; medians after ``warmup``."""
     opt = torch.optim.Adam(module.parameters(), lr=1e-3)
-    cuda = device.startswith("cuda")
-    times, saved, peaks = [], [], []
-    for i, x in enumerate(x_batches):
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        t0 = time.perf_counter()
-        with SavedTensorsMeter() as meter:
-            loss = module.training_objective(x).loss
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+
+    def step(x):
+        loss = module.training_objective(x).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
         opt.step()
-        if cuda:
-            torch.cuda.synchronize()
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-            saved.append(meter.bytes)
-            if cuda:
-                peaks.append(torch.cuda.max_memory_allocated())
-    out = {"ms_per_step": 1e3 * statistics.median(times), "saved_mb": statistics.mean(saved) / 2**20,
+
+    steps = [measured(lambda x=x: step(x), device) for x in x_batches][warmup:]
+    out = {"ms_per_step": 1e3 * statistics.median([s["seconds"] for s in steps]),
+           "saved_mb": statistics.mean([s["saved_bytes"] for s in steps]) / 2**20,
            "n_params": sum(p.numel() for p in module.parameters())}
-    if peaks:
-        out["peak_cuda_mb"] = max(peaks) / 2**20
+    if steps[0]["peak_cuda_bytes"] is not None:
+        out["peak_cuda_mb"] = max(s["peak_cuda_bytes"] for s in steps) / 2**20
     return out
 
 
@@ -98,7 +85,8 @@ def render(results: dict) -> str:
             head += " peak CUDA MB | ×3-layer | ×16-layer |"
         n_cols = head.count("|") - 1
         lines += [head, "|---|" + "---:|" * (n_cols - 1)]
-        rows = sec["rows"]
+        order = [v[0] for v in VARIANTS]  # the JSON is saved with sorted keys: rows in the variants' order
+        rows = dict(sorted(sec["rows"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else len(order)))
         r3, r16 = rows.get("3-layer"), rows.get("16-layer")
         for name, r in rows.items():
             cells = [name, str(r["n_params"]), f"{r['saved_mb']:.2f}",
@@ -125,8 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--variants", default=",".join(v[0] for v in VARIANTS))
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--render", action="store_true", help="only rebuild the markdown from the saved JSON")
     args = p.parse_args(argv)
+    if args.render:
+        return rerender(args.out, "dkef_memory", render)
     torch.set_num_threads(args.threads)
     batch, hidden, deq_width = SETTINGS[args.setting]
     g = torch.Generator().manual_seed(0)
@@ -140,8 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         module = build(args.dim, deq, depth, hidden, deq_width, args.loss, args.device)
         rows[name] = measure(module, xs, args.warmup, args.device)
         print(name, json.dumps(rows[name]), flush=True)
-    dev_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    meta = {"device_name": dev_name, "torch": torch.__version__, "threads": torch.get_num_threads(),
+    meta = {"device_name": device_name(args.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dim": args.dim, "batch": batch, "hidden": hidden, "deq_width": deq_width, "loss": args.loss,
             "steps": args.steps, "command": "python benchmarks/dkef_memory.py " + " ".join(argv or sys.argv[1:])}
     args.out.mkdir(parents=True, exist_ok=True)

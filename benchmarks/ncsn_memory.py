@@ -6,12 +6,13 @@ trained by the σ²-weighted noise-conditional SSM-VR loss (the paper's), measur
 - ``params``;
 - ``score``: the score s(x̃, i) computed with autograd on (x̃ and the parameters) — the graph SSM-VR
   differentiates, the paper's "memory of ∇ₓ log p̃'s graph" — saved-for-backward MB and ms;
-- ``step``: one whole training step (loss with create_graph, backward to every parameter, Adam step) —
-  saved MB and ms;
+- ``step``: one whole training step, ``NCSNLitModule.training_step`` itself (run outside a Trainer by
+  ``_common.training_step``: loss with create_graph, backward to every parameter, the Adam step of
+  ``conf/model/ncsn.yaml``) — saved MB and ms;
 - DEQ solver iterations (forward) and the contraction rate of the map at the fixed point.
 
-Saved bytes come from ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages; deterministic and the
-same on any device). The paper's figures (Table 5) are for batch 128 on a GPU; a CPU run here uses a small
+Saved bytes come from ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages; the same on any
+device). The paper's figures (Table 5) are for batch 128 on a GPU; a CPU run here uses a small
 batch (``--batch``, default 2), so compare ratios between rows, not absolute numbers.
 
     python benchmarks/ncsn_memory.py                      # CPU, 1 thread, batch 2
@@ -27,22 +28,16 @@ import argparse
 import json
 import platform
 import statistics
-import sys
-import time
 from pathlib import Path
 
 import torch
+from _common import RESULTS, ROOT, measured, trainer_free, training_step
+from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from src.callbacks.profiling import SavedTensorsMeter
 from src.deq.config import DEQConfig
 from src.lit.ncsn import NCSNLitModule
-from src.objectives.conditional import noise_conditional
-from src.reporting import markdown_table
+from src.reporting import markdown_table, rerender
 
-RESULTS = ROOT / "benchmarks" / "results"
 # (row, arch, deq enabled, depth, deq overrides): the paper's three rows of Table 5, and the DEQ with the spectral
 # bound on its convolutions (deq.norm=spectral) — with a relative stopping tolerance: its map contracts at ≈ 0.08,
 # and an absolute 1e-5 per sample on a 128×32×32 state (‖z*‖ ≈ 10²) sits at float32's round-off floor, so
@@ -62,57 +57,41 @@ MB = 2**20
 
 def build(arch: str, deq: bool, depth: int | None, ngf: int, device: str, overrides: dict | None = None
           ) -> NCSNLitModule:
-    deq_cfg = {"enabled": deq, **DEQConfig().to_dict(), **(overrides or {})}  # conf/deq/true.yaml's defaults (Picard, K = 2 phantom)
-    return NCSNLitModule((3, 32, 32), loss={"name": "ssm_vr"}, deq=deq_cfg, depth=depth, arch=arch,
-                         ngf=ngf).to(device)
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+    """The ``model=ncsn`` module at 3×32×32 with the SSM-VR loss and the optimiser of ``conf/model/ncsn.yaml``;
+    DEQ settings: ``conf/deq/true.yaml``'s defaults (Picard, K = 2 phantom) with ``overrides``."""
+    deq_cfg = {"enabled": deq, **DEQConfig().to_dict(), **(overrides or {})}
+    optimizer = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "ncsn.yaml").optimizer)
+    return NCSNLitModule((3, 32, 32), loss={"name": "ssm_vr"}, deq=deq_cfg, depth=depth, arch=arch, ngf=ngf,
+                         optimizer=optimizer).to(device)
 
 
 def measure(module: NCSNLitModule, batch: int, warmup: int, steps: int, device: str) -> dict:
+    """Per step: the score s(x̃, i) alone (seeded x̃, i), then the module's own training step on x."""
     net = module.net
-    opt = torch.optim.Adam(net.parameters(), lr=1e-4, weight_decay=1e-12)
+    optimizers = trainer_free(module, device)
     g = torch.Generator().manual_seed(0)
+    cuda = device.startswith("cuda")
     score_t, score_b, step_t, step_b, iters, score_peak, step_peak = [], [], [], [], [], [], []
     for k in range(warmup + steps):
         x = torch.rand(batch, 3, 32, 32, generator=g).to(device)
         labels = torch.randint(0, net.sigmas.numel(), (batch,), generator=g).to(device)
         xt = (x + net.sigmas[labels].reshape(-1, 1, 1, 1) * torch.randn(x.shape, generator=g).to(device))
         xt.requires_grad_(True)
-        sync(device)
-        cuda = device.startswith("cuda")
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-            base = torch.cuda.memory_allocated(device)
-        t0 = time.perf_counter()
-        with SavedTensorsMeter() as meter:
-            s = net.score(xt, labels)
-        sync(device)
-        t1 = time.perf_counter()
-        if cuda:  # the allocator's peak above what was allocated before: graph, workspaces, temporaries
-            score_peak.append(torch.cuda.max_memory_allocated(device) - base)
-            torch.cuda.reset_peak_memory_stats(device)
-        del s
-        with SavedTensorsMeter() as step_meter:
-            out = noise_conditional(module.objective, net, x, net.sigmas, anneal_power=2.0)
-            opt.zero_grad(set_to_none=True)
-            out.loss.backward()
-        opt.step()
-        sync(device)
-        t2 = time.perf_counter()
-        if cuda:
-            step_peak.append(torch.cuda.max_memory_allocated(device))
+        base = torch.cuda.memory_allocated(device) if cuda else 0
+        score = measured(lambda xt=xt, labels=labels: net.score(xt, labels), device)
+        del score["result"]  # free the score's graph before the step
+        step = measured(lambda x=x: training_step(module, x, optimizers), device)
+        if cuda:  # the score: the allocator's peak above what was allocated before (graph, workspaces)
+            score_peak.append(score["peak_cuda_bytes"] - base)
+            step_peak.append(step["peak_cuda_bytes"])
         block = net.deq_block()
         if block is not None:
             iters.append(block.last_stats["iterations"])
         if k >= warmup:
-            score_t.append(1e3 * (t1 - t0))
-            score_b.append(meter.bytes)
-            step_t.append(1e3 * (t2 - t1))
-            step_b.append(step_meter.bytes)
+            score_t.append(1e3 * score["seconds"])
+            score_b.append(score["saved_bytes"])
+            step_t.append(1e3 * step["seconds"])
+            step_b.append(step["saved_bytes"])
     rec = {"score_ms": statistics.median(score_t), "score_saved_MB": max(score_b) / MB,
            "step_ms": statistics.median(step_t), "step_saved_MB": max(step_b) / MB}
     if score_peak:
@@ -198,8 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--render", action="store_true", help="only rebuild the markdown from the saved JSON")
     args = ap.parse_args(argv)
     if args.render:
-        results = json.loads((args.out / "ncsn_memory.json").read_text())
-        (args.out / "ncsn_memory.md").write_text(render(results))
+        rerender(args.out, "ncsn_memory", render)
         return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)

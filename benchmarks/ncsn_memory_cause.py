@@ -24,16 +24,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from _common import RESULTS
 from torch import nn
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from src.callbacks.profiling import SavedTensorsMeter
 from src.models.ncsn import (
@@ -136,7 +133,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--ngf", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--render", action="store_true")
     args = ap.parse_args()
     if args.render:

@@ -9,7 +9,7 @@ projections, the σ²-weighted SSM-VR loss with the phantom backward for each K 
 implicit backward (eq. 8), the σ²-weighted DSM loss (no derivative through the DEQ: the same in every mode),
 and the learned map's contraction rate at the fixed point.
 
-    python benchmarks/ncsn_phantom_bias.py --root ../shared/data --ckpt 'DEQ=outputs/…/step_0000600.ckpt' \\
+    python benchmarks/ncsn_phantom_bias.py --root data --ckpt 'DEQ=outputs/…/step_0000600.ckpt' \\
         [--ckpt …] [--n 64] [--ks 1,2,4,8]
     python benchmarks/ncsn_phantom_bias.py --render
 
@@ -25,8 +25,7 @@ import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import RESULTS
 
 from src.reporting import labelled_checkpoint, markdown_table, rerender, write_results
 
@@ -97,7 +96,7 @@ def main() -> None:
     ap.add_argument("--ks", default="1,2,4,8", help="phantom steps K to evaluate")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="ncsn_phantom_bias")
     ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
     args = ap.parse_args()

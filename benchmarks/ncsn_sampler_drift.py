@@ -15,7 +15,7 @@ measures. For each checkpoint and each noise level i this records, in model spac
 A score whose trajectory mean runs away from the reference mean while e's mean stays away from 0 has a
 systematic drift that the loss on x̃ never sees.
 
-    python benchmarks/ncsn_sampler_drift.py --root ../shared/data \\
+    python benchmarks/ncsn_sampler_drift.py --root data \\
         --ckpt 'TwoRes=outputs/…/step_0000600.ckpt' --ckpt 'DEQ=outputs/…/step_0000600.ckpt' \\
         [--n 64] [--n-steps-each 10] [--step-lr 2e-4] [--seed 0]
     python benchmarks/ncsn_sampler_drift.py --render     # rebuild the markdown from the JSON
@@ -32,8 +32,7 @@ import shlex
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import RESULTS
 
 from src.reporting import labelled_checkpoint, markdown_table, rerender, write_results
 
@@ -126,7 +125,7 @@ def main() -> None:
     ap.add_argument("--step-lr", type=float, default=2e-4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="ncsn_sampler_drift")
     ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
     args = ap.parse_args()

@@ -33,10 +33,9 @@ import time
 from pathlib import Path
 
 import torch
+from _common import RESULTS, ROOT
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 try:
     import hydra  # noqa: F401  (``import src`` installs a Hydra hook)
 except ImportError:  # a bare GPU box without Hydra: load src.objectives (pure torch) without that hook
@@ -50,7 +49,6 @@ from src.objectives import cp, dsm, sm, ssm_vr
 
 SIZES = {"dkef": {"hidden": 30, "layers": 3}, "nice": {"hidden": 1000, "layers": 5}}
 ROUTES = ("loop", "replicate", "func", "batched")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 class MLPEnergy(nn.Module):

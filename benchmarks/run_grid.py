@@ -1,7 +1,7 @@
 """Run a grid of `src.train` jobs and tabulate them next to the paper's tables.
 
     python benchmarks/run_grid.py dkef --seeds 0,1,2 [--datasets redwine,gaussian200] [--steps 600] [--jobs 2]
-    python benchmarks/run_grid.py nice --seeds 0,1,2 [--device cuda] [--root ../shared/data]
+    python benchmarks/run_grid.py nice --seeds 0,1,2 [--device cuda] [--root data]
 
 ``dkef`` is the paper's Tables 2 (UCI: DSM, CP, SSM, SSM-VR with 3-layer features, SM with 3/8/16 layers,
 DEQ-SM, DEQ-SSM-VR) and 3 (Gaussian D = 100, 200: SM with 3/8/16 layers and DEQ-SM), ``nice`` its Table 4.
@@ -26,15 +26,12 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import DATA_ROOT, RESULTS, ROOT, run_module, thread_env, train_job
 
 from src.reporting import (
     figure,
@@ -184,8 +181,8 @@ def load_old(paths: list[Path], label: str, methods: set[tuple[str, str]], keep_
     """Rows of committed result files (``--old``): those of a (data set, method) this grid has run are renamed
     ``"<method> — old (<label>)"`` (the numbers as they were committed, beside the new ones); with
     ``keep_rest`` the others are kept under their own names (committed rows this grid did not re-run).
-    ``data.root`` of this machine in their commands is written as the relative ``../shared/data`` every grid
-    command uses."""
+    An absolute ``data.root`` in their commands (a path of the machine that ran them) is written as the
+    repository-relative default ``data``."""
     rows = []
     for path in paths:
         for r in json.loads(Path(path).read_text())["jobs"]:
@@ -195,7 +192,7 @@ def load_old(paths: list[Path], label: str, methods: set[tuple[str, str]], keep_
                 r = dict(r, old_source=str(path), not_rerun=True)
             else:
                 continue
-            r["command"] = " ".join("data.root=../shared/data" if t.startswith("data.root=/") else t
+            r["command"] = " ".join("data.root=data" if t.startswith("data.root=/") else t
                                     for t in r["command"].split())
             rows.append(r)
     return rows
@@ -385,29 +382,25 @@ def run_dir_of(runs: Path, job: dict, seed: int) -> Path:
 
 def run_job(job, seed, args, runs: Path, env) -> dict:
     run_dir = run_dir_of(runs, job, seed)
-    cmd = [sys.executable, "-m", "src.train", *job["overrides"], f"seed={seed}", "logger=csv",
-           "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]
+    overrides = [*job["overrides"], f"seed={seed}", "logger=csv", "trainer.enable_progress_bar=false"]
     if args.steps is not None:
-        cmd.append(f"trainer.max_steps={args.steps}")
+        overrides.append(f"trainer.max_steps={args.steps}")
     if args.device == "cuda":
-        cmd.append("trainer=gpu")
-    cmd += args.extra.split()
+        overrides.append("trainer=gpu")
+    overrides += args.extra.split()
     record = {"group": job["group"], "method": job["method"], "seed": seed,
-              "command": "python -m src.train " + " ".join(cmd[3:]), "run_dir": str(run_dir)}
-    t0 = time.time()
-    done = run_dir / "metrics.json"
-    if done.exists() and not args.rerun:
+              "command": "python -m src.train " + " ".join([*overrides, f"hydra.run.dir={run_dir}"]),
+              "run_dir": str(run_dir)}
+    ran = train_job(overrides, run_dir, env, rerun=args.rerun)
+    if ran["reused"]:
         record["reused"] = True
-        overrides = read_overrides(run_dir)
-        if overrides:  # the command that produced it, which may differ from this call's (--steps, --extra)
-            record["command"] = "python -m src.train " + " ".join(overrides)
-    else:
-        done.unlink(missing_ok=True)
-        proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            record["error"] = proc.stderr[-2000:]
-    record["wall_s"] = None if record.get("reused") else time.time() - t0  # not known for a reused run
-    record["ok"] = done.exists() and "error" not in record
+        recorded = read_overrides(run_dir)
+        if recorded:  # the command that produced it, which may differ from this call's (--steps, --extra)
+            record["command"] = "python -m src.train " + " ".join(recorded)
+    if "error" in ran:
+        record["error"] = ran["error"]
+    record["wall_s"] = ran["wall_s"]  # None for a reused run: not known
+    record["ok"] = ran["ok"]
     metrics = load_run(run_dir)["metrics"] if record["ok"] else {}
     metrics.pop("config", None)
     record["metrics"] = metrics
@@ -438,12 +431,12 @@ def eval_clamp(run_dir: Path, root: str, env) -> str | None:
         ckpt = str(Path(ckpt).resolve().relative_to(ROOT))
     except ValueError:
         pass
-    cmd = [sys.executable, "-m", "src.evaluate", f"ckpt_path={ckpt}", "data.squash=clamp", f"data.root={root}"]
-    proc = subprocess.run(cmd, check=False, cwd=ROOT, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        return proc.stderr[-1500:]
+    overrides = [f"ckpt_path={ckpt}", "data.squash=clamp", f"data.root={root}"]
+    code, tail = run_module("src.evaluate", overrides, env)
+    if code != 0:
+        return tail[-1500:]
     payload = json.loads((run_dir / "eval_metrics.json").read_text())
-    payload["command"] = "python -m src.evaluate " + " ".join(cmd[3:])
+    payload["command"] = "python -m src.evaluate " + " ".join(overrides)
     (run_dir / CLAMP_EVAL).write_text(json.dumps(payload, indent=2))
     return None
 
@@ -453,7 +446,7 @@ def main(argv=None):
     p.add_argument("grid", choices=sorted(GRIDS))
     p.add_argument("--seeds", default="0")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    p.add_argument("--root", default=str(ROOT.parent / "shared" / "data"))
+    p.add_argument("--root", default=str(DATA_ROOT), help="data.root of every job")
     p.add_argument("--epochs", type=int, default=None, help="trainer.max_epochs (default: the experiment's)")
     p.add_argument("--steps", type=int, default=None, help="trainer.max_steps: a budget below the paper's epochs")
     p.add_argument("--datasets", default="parkinsons,redwine,whitewine,gaussian100,gaussian200",
@@ -462,7 +455,7 @@ def main(argv=None):
     p.add_argument("--jobs", type=int, default=1, help="jobs run at once")
     p.add_argument("--threads", type=int, default=None, help="torch threads per job (OMP_NUM_THREADS)")
     p.add_argument("--runs", type=Path, default=None)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--name", default=None, help="result file stem (default: the grid, + _cuda on GPU)")
     p.add_argument("--rerun", action="store_true", help="run jobs again even if their metrics.json exists")
     p.add_argument("--collect", action="store_true",
@@ -504,9 +497,7 @@ def main(argv=None):
         jobs = [j for j in jobs if j["method"] in wanted]
     runs = args.runs or ROOT / "outputs" / "benchmarks" / args.grid
     seeds = [int(s) for s in args.seeds.split(",")]
-    env = dict(os.environ)
-    if args.threads:
-        env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    env = thread_env(args.threads)
     meta = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.node()}", "device": args.device,
             "python": platform.python_version(), "parallel_jobs": args.jobs, "threads_per_job": args.threads,
             "command": "python benchmarks/run_grid.py " + shlex.join(argv if argv is not None else sys.argv[1:]),

@@ -15,23 +15,18 @@ into ``--out`` (default ``benchmarks/results``).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
 import platform
 import shlex
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import itertools
+from _common import RESULTS, ROOT, thread_env, train_job
 
 from src.studies import implicit_bias as ib
 from src.studies import regions as rg
@@ -174,26 +169,18 @@ def slug(job) -> str:
 
 
 def run_job(job, runs: Path, rerun: bool) -> dict:
+    """One study job (one torch thread); its record with the metrics, or the error of a failed run."""
     run_dir = runs / slug(job)
-    cmd = [sys.executable, "-m", "src.train", *job["overrides"], "trainer.enable_progress_bar=false",
-           f"hydra.run.dir={run_dir}"]
     job = {**job, "command": "python -m src.train " + " ".join(shlex.quote(o) for o in job["overrides"]),
            "run_dir": str(run_dir.relative_to(ROOT)) if run_dir.is_relative_to(ROOT) else str(run_dir)}
-    mfile = run_dir / "metrics.json"
-    if rerun and run_dir.exists():
-        shutil.rmtree(run_dir)
-    if not mfile.exists():
-        t0 = time.perf_counter()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, check=False)
-        job["wall_s"] = time.perf_counter() - t0
-        if proc.returncode != 0 or not mfile.exists():
-            job["error"] = (proc.stderr or proc.stdout)[-2000:]
-            print(f"FAILED {job['name']}: {job['error'][-400:]}", flush=True)
-            return job
-    metrics = json.loads(mfile.read_text())
+    ran = train_job([*job["overrides"], "trainer.enable_progress_bar=false"], run_dir, thread_env(1), rerun)
+    job["wall_s"] = float("nan") if ran["wall_s"] is None else ran["wall_s"]  # nan: reused, time not known
+    if not ran["ok"]:
+        job["error"] = ran["error"]
+        print(f"FAILED {job['name']}: {job['error'][-400:]}", flush=True)
+        return job
+    metrics = json.loads((run_dir / "metrics.json").read_text())
     job["metrics"] = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-    job["wall_s"] = job.get("wall_s", float("nan"))
     print(f"done {job['name']} ({job['wall_s']:.0f} s)", flush=True)
     return job
 
@@ -525,7 +512,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=",".join(STUDIES), help=f"comma-separated subset of {','.join(STUDIES)}")
     p.add_argument("--runs", default=str(ROOT / "outputs" / "benchmarks" / "separation"))
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--rerun", action="store_true")
     p.add_argument("--render", action="store_true",
                    help="run nothing: rebuild separation.md from the saved separation.json")

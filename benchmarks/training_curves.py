@@ -1,8 +1,8 @@
 """Train the variants of a generative model for the same number of steps, keep a checkpoint every N steps,
 and evaluate every checkpoint: metrics (FID, AIS log-likelihood, test losses) against steps and wall time.
 
-    python benchmarks/training_curves.py vae  --root ../shared/data [--steps 6000] [--every 1500] [--ais-points 16]
-    python benchmarks/training_curves.py ncsn --root ../shared/data [--steps 1000] [--every 500] [--fid-samples 250]
+    python benchmarks/training_curves.py vae  --root data [--steps 6000] [--every 1500] [--ais-points 16]
+    python benchmarks/training_curves.py ncsn --root data [--steps 1000] [--every 500] [--fid-samples 250]
     python benchmarks/training_curves.py vae --render            # rebuild the markdown and figure from the JSON
     python benchmarks/training_curves.py ncsn --merge A.json B.json --name N   # variants run side by side, as one
 
@@ -35,13 +35,11 @@ import platform
 import re
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import ROOT, run_module
 
 from src.reporting import figure, markdown_table, write_results
 
@@ -341,9 +339,9 @@ def main() -> None:
             cmd = train_command(grid, name, args, run_dir)
             run["command"] = shown([c for c in cmd if not c.startswith("ckpt_path=")])
             t0 = time.time()
-            proc = subprocess.run(cmd, check=False, cwd=ROOT)
-            if proc.returncode != 0:
-                print(f"{name}: training failed (exit {proc.returncode}); see {run_dir}/train.log", flush=True)
+            code, _ = run_module("src.train", cmd[3:], capture=False)
+            if code != 0:
+                print(f"{name}: training failed (exit {code}); see {run_dir}/train.log", flush=True)
                 continue
             print(f"{name}: trained in {time.time() - t0:.0f} s", flush=True)
         else:

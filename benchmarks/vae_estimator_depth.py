@@ -16,14 +16,11 @@ import argparse
 import json
 import math
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import RESULTS
 
 from src.models.vae import ConditionalScore, ScoreEstimator
 from src.objectives.ssm import ssm
@@ -75,7 +72,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--render", action="store_true")
     args = ap.parse_args()
     if args.render:

@@ -1,15 +1,16 @@
 """Memory and time of one SSM-VAE training iteration: SSM VAE, Aug(8), Aug(16) and DEQ score estimators.
 
 Paper Table 1 (*Efficient Score Matching with Deep Equilibrium Layers* §4.1, App. D.3, Tables 6–7): the DEQ
-score estimator matches Aug(16)'s FID at about the memory of the plain SSM VAE. One iteration here is exactly
-the training step of ``src.lit.vae.VAELitModule`` — one SSM update of the score estimator s(z|x) on
-z ~ q(z|x) (eq. 3, Gaussian projections), then one update of encoder and decoder on the surrogate negative
-ELBO — on random images of CIFAR-10 (3×32×32) or CelebA (3×64×64) size, conv architecture (Table 6),
-Gaussian decoder, measured after one warm-up iteration:
+score estimator matches Aug(16)'s FID at about the memory of the plain SSM VAE. One iteration here is the
+training step of ``src.lit.vae.VAELitModule`` itself (run outside a Trainer by ``_common.training_step``, with
+the optimisers of ``conf/model/vae.yaml``) — one SSM update of the score estimator s(z|x) on z ~ q(z|x)
+(eq. 3, Gaussian projections), then one update of encoder and decoder on the surrogate negative ELBO — on
+random images of CIFAR-10 (3×32×32) or CelebA (3×64×64) size, conv architecture (Table 6), Gaussian decoder,
+measured after one warm-up iteration:
 
 - ``params``: all parameters (encoder, decoder, score estimator) and the score estimator's alone;
 - ``saved MB``: bytes of the tensors autograd saves for backward during the iteration (both updates;
-  ``torch.autograd.graph.saved_tensors_hooks``, deterministic, the same on any device);
+  ``torch.autograd.graph.saved_tensors_hooks``, counted once per storage, the same on any device);
 - ``s/iter``: median wall time on this machine.
 
     python benchmarks/vae_memory.py                          # CPU, 1 thread, batch 8, m = 64, D_z = 32
@@ -24,19 +25,13 @@ import argparse
 import json
 import platform
 import statistics
-import sys
-import time
-from pathlib import Path
 
 import torch
+from _common import RESULTS, ROOT, measured, trainer_free, training_step
+from omegaconf import OmegaConf
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from src.callbacks.profiling import SavedTensorsMeter
-from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
-from src.objectives.ssm import ssm
-from src.reporting import markdown_table
+from src.lit.vae import VAELitModule
+from src.reporting import markdown_table, rerender, write_results
 
 SIZES = {"CIFAR-10": (3, 32, 32), "CelebA": (3, 64, 64)}
 VARIANTS = [("SSM VAE", 0, False), ("Aug(8)-SSM VAE", 8, False), ("Aug(16)-SSM VAE", 16, False),
@@ -50,54 +45,34 @@ PAPER = {
 }
 
 
-def build(shape, depth, deq, channels, latent, device):
+def build(shape, depth, deq, args) -> VAELitModule:
+    """The ``model=vae`` module at this size: conv architecture, Gaussian decoder with a learned σ, the
+    optimisers of ``conf/model/vae.yaml`` (score estimator; encoder + decoder: Adam lr 1e-4)."""
+    optimizer = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "vae.yaml").optimizer)
     deq_cfg = {"enabled": True, "injection": "linear"} if deq else None
-    enc = ImplicitEncoder(shape, latent, arch="conv", hidden=256, channels=channels)
-    dec = Decoder(shape, latent, arch="conv", likelihood="gaussian", channels=channels, learn_sigma=True)
-    est = ScoreEstimator(shape, latent, arch="conv", channels=channels, depth=depth, deq=deq_cfg)
-    return enc.to(device), dec.to(device), est.to(device)
-
-
-def iteration(enc, dec, est, opt_s, opt_v, x):
-    with torch.no_grad():
-        z = enc(x)
-    loss = ssm(ConditionalScore(est, x), z, projection="gaussian").loss
-    opt_s.zero_grad()
-    loss.backward()
-    opt_s.step()
-    z = enc(x)
-    with torch.no_grad():
-        s = est(z.detach(), x)
-    total = surrogate_negative_elbo(dec, x, z, s)[0].mean()
-    opt_v.zero_grad()
-    total.backward()
-    opt_v.step()
+    return VAELitModule(shape, loss={"name": "ssm"}, deq=deq_cfg, depth=depth, arch="conv", latent_dim=args.latent,
+                        hidden=256, channels=args.channels, enc_channels=args.channels, likelihood="gaussian",
+                        learn_sigma=True, optimizer=optimizer)
 
 
 def measure(size, name, depth, deq, args):
     torch.manual_seed(0)
     shape = SIZES[size]
-    enc, dec, est = build(shape, depth, deq, args.channels, args.latent, args.device)
-    opt_s = torch.optim.Adam(est.parameters(), lr=1e-4, weight_decay=1e-12)
-    opt_v = torch.optim.Adam([*enc.parameters(), *dec.parameters()], lr=1e-4, weight_decay=1e-12)
+    module = build(shape, depth, deq, args)
+    optimizers = trainer_free(module, args.device)
     x = torch.rand(args.batch, *shape, device=args.device) * 2 - 1
-    iteration(enc, dec, est, opt_s, opt_v, x)  # warm-up (and the DEQ's warm start)
-    with SavedTensorsMeter() as meter:
-        iteration(enc, dec, est, opt_s, opt_v, x)
-    times = []
-    for _ in range(args.repeats):
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        iteration(enc, dec, est, opt_s, opt_v, x)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+
+    def step():
+        return training_step(module, x, optimizers)
+
+    step()  # warm-up (and the DEQ's warm start)
+    saved = measured(step, args.device)["saved_bytes"]
+    times = [measured(step, args.device)["seconds"] for _ in range(args.repeats)]
     n = lambda m: sum(p.numel() for p in m.parameters())
-    row = {"size": size, "method": name, "params": n(enc) + n(dec) + n(est), "score_params": n(est),
-           "saved_mb": meter.bytes / 2**20, "s_per_iter": statistics.median(times)}
+    row = {"size": size, "method": name, "params": n(module), "score_params": n(module.score_net),
+           "saved_mb": saved / 2**20, "s_per_iter": statistics.median(times)}
     if deq:
-        row["deq_iterations"] = est.block.last_stats.get("iterations")
+        row["deq_iterations"] = module.score_net.block.last_stats.get("iterations")
     return row
 
 
@@ -144,26 +119,22 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--sizes", default="CIFAR-10,CelebA")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    p.add_argument("--out", default=str(RESULTS))
     p.add_argument("--render", action="store_true", help="only rebuild the markdown from the saved JSON")
     args = p.parse_args()
     if args.render:
-        res = json.loads((Path(args.out) / "vae_memory.json").read_text())
-        (Path(args.out) / "vae_memory.md").write_text(render(res))
+        rerender(args.out, "vae_memory", render)
         return
     torch.set_num_threads(args.threads)
     device = (torch.cuda.get_device_name() if args.device == "cuda"
               else f"CPU ({platform.processor() or platform.machine()}, {args.threads} thread)")
     res = {"args": {k: v for k, v in vars(args).items() if k not in ("out", "render")}, "device": device, "rows": []}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     for size in args.sizes.split(","):
         for name, depth, deq in VARIANTS:
             row = measure(size, name, depth, deq, args)
             print(json.dumps(row), flush=True)
             res["rows"].append(row)
-            (out / "vae_memory.json").write_text(json.dumps(res, indent=1))
-            (out / "vae_memory.md").write_text(render(res))
+            write_results(args.out, "vae_memory", res, render)
 
 
 if __name__ == "__main__":
