@@ -384,10 +384,7 @@ def test_get_objective_names_kwargs_and_validation():
         ("sm", {"trace_route": "fast"}, "trace_route must be one of"),
         ("sm", {"max_copies_per_pass": 0}, "max_copies_per_pass must be an integer >= 1"),
         ("sm", {"n_projections": 2}, r"objective 'sm' got unknown argument\(s\) \['n_projections'\]"),
-        ("mle", {"sigmas": [1.0]}, "does not apply to mle"),
-        ("dsm", {"sigmas": [1.0], "sigma": 0.1}, "do not also pass sigma"),
-        ("ssm_vr", {"sigmas": [1.0, -0.1]}, "sigmas must be a number > 0"),
-        ("ssm_vr", {"anneal_power": 2}, "anneal_power is only used with sigmas"),
+        ("ssm_vr", {"sigmas": [1.0]}, r"unknown argument\(s\) \['sigmas'\]"),  # noise_conditional's
     ]
     for name, kw, msg in bad:
         with pytest.raises(ValueError, match=msg):
@@ -437,11 +434,9 @@ def test_noise_conditional_dsm_and_ssm_vr_closed_forms():
     exp_dsm = sig[:, 0] ** 2 * 0.5 * ((s + eps / sig) ** 2).sum(-1)
     out = noise_conditional(dsm, model, x, sigmas, labels=labels, eps=eps)
     torch.testing.assert_close(out.per_sample, exp_dsm, rtol=1e-12, atol=1e-12)
-    # through the registry (sigmas turns dsm noise-conditional)
-    fn = get_objective("dsm", sigmas=sigmas)
-    torch.testing.assert_close(
-        fn(model, x, labels=labels, eps=eps).per_sample, exp_dsm, rtol=1e-12, atol=1e-12
-    )
+    # a bound objective from the registry, as the NCSN module applies it
+    out = noise_conditional(get_objective("dsm"), model, x, sigmas, labels=labels, eps=eps)
+    torch.testing.assert_close(out.per_sample, exp_dsm, rtol=1e-12, atol=1e-12)
     # exact sm and ssm_vr at the perturbed points, weighted by σ²; replicate route tiles the labels
     exp_sm = sig[:, 0] ** 2 * (0.5 * (s**2).sum(-1) - 4 / (1 + sig[:, 0] ** 2))
     for route in ("loop", "replicate", "func"):
@@ -466,3 +461,28 @@ def test_score_only_model_errors_are_clear():
         sm(object(), data(2, 3))
     with pytest.raises(TypeError, match="cp needs an energy model"):
         cp(MLPScore(3), data(2, 3))
+
+
+def test_objective_from_config_is_the_one_factory():
+    """The families' objective factory: defaults, the family's allowed losses, dropped and bound keys."""
+    from src.objectives.registry import objective_from_config
+
+    name, kw, fn = objective_from_config(None, default="ssm_vr", family="ncsn")
+    assert (name, kw) == ("ssm_vr", {}) and fn.func is ssm_vr
+    with pytest.raises(ValueError, match=r"model=ncsn trains with loss=dsm\|ssm_vr; got loss=sm"):
+        objective_from_config({"name": "sm"}, default="dsm", family="ncsn", allowed=("dsm", "ssm_vr"))
+    name, kw, fn = objective_from_config({"name": "dsm", "sigma": 0.1}, default="dsm", family="ncsn",
+                                         ignored=("sigma",))
+    assert kw == {} and fn.keywords == {}
+    # bound only where the objective takes the key, and None leaves the config's value
+    _, kw, _ = objective_from_config({"name": "ssm", "projection": "rademacher"}, default="ssm", family="vae",
+                                     bound={"projection": "gaussian"})
+    assert kw == {"projection": "gaussian"}
+    _, kw, _ = objective_from_config({"name": "ssm", "projection": "rademacher"}, default="ssm", family="vae",
+                                     bound={"projection": None})
+    assert kw == {"projection": "rademacher"}
+    _, kw, _ = objective_from_config({"name": "dsm", "sigma": 0.2}, default="ssm", family="vae",
+                                     bound={"projection": "gaussian"})
+    assert kw == {"sigma": 0.2}
+    with pytest.raises(ValueError, match="n_projections must be an integer >= 1"):
+        objective_from_config({"name": "ssm", "n_projections": 0}, default="ssm", family="dkef")

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from .base import ObjectiveOutput, check_positive_int, check_projection, check_sigma
-from .conditional import noise_conditional
 from .cp import cp
 from .dsm import dsm
 from .mle import mle
@@ -47,41 +46,55 @@ def get_objective(name: str, **kwargs) -> Callable[..., ObjectiveOutput]:
 
     Keyword arguments are checked here (unknown names and bad values raise ``ValueError``), e.g.
     ``get_objective("ssm_vr", n_projections=2, projection="gaussian")``, ``get_objective("sm",
-    trace_route="replicate")``, ``get_objective("dsm", sigma=0.1)``.
-
-    ``sigmas=[...]`` (optionally ``anneal_power=``) turns any score objective into its noise-conditional
-    NCSN form (:func:`~src.objectives.conditional.noise_conditional`); with ``dsm`` the level replaces
-    ``sigma``.
+    trace_route="replicate")``, ``get_objective("dsm", sigma=0.1)``. The noise-conditional (NCSN) form of any
+    of them is :func:`~src.objectives.conditional.noise_conditional` applied to the bound objective.
     """
     if not isinstance(name, str) or name.lower() not in OBJECTIVES:
         raise ValueError(f"unknown objective {name!r}; valid names: {', '.join(OBJECTIVES)}")
     name = name.lower()
     fn = OBJECTIVES[name]
-    kwargs = dict(kwargs)
-    sigmas = kwargs.pop("sigmas", None)
-    anneal_power = kwargs.pop("anneal_power", None)
-    allowed = _accepted(fn) - {"v", "eps", "generator"}
+    allowed = accepted_arguments(name)
     unknown = sorted(set(kwargs) - allowed)
     if unknown:
-        valid = sorted(allowed) + ([] if name == "mle" else ["sigmas", "anneal_power"])
         raise ValueError(
-            f"objective {name!r} got unknown argument(s) {unknown}; it accepts: {', '.join(valid)}"
+            f"objective {name!r} got unknown argument(s) {unknown}; it accepts: {', '.join(sorted(allowed))}"
         )
     for key, value in kwargs.items():
         if key in _VALIDATORS:
             _VALIDATORS[key](value)
-    if anneal_power is not None and sigmas is None:
-        raise ValueError("anneal_power is only used with sigmas=[...] (noise-conditional form)")
-    if sigmas is None:
-        return functools.partial(fn, **kwargs)
-    if name == "mle":
-        raise ValueError("sigmas=[...] (noise-conditional form) does not apply to mle")
-    if name == "dsm" and "sigma" in kwargs:
-        raise ValueError("dsm with sigmas=[...] draws one level per sample; do not also pass sigma")
-    sigmas = list(sigmas) if not isinstance(sigmas, (int, float)) else [sigmas]
-    if not sigmas:
-        raise ValueError("sigmas must hold at least one noise level")
-    for s in sigmas:
-        check_sigma(s, "sigmas")
-    extra = {} if anneal_power is None else {"anneal_power": float(anneal_power)}
-    return functools.partial(noise_conditional, functools.partial(fn, **kwargs), sigmas=sigmas, **extra)
+    return functools.partial(fn, **kwargs)
+
+
+def accepted_arguments(name: str) -> set[str]:
+    """The hyper-parameters objective ``name`` takes from a config (its keyword-only arguments, less the
+    per-call ones)."""
+    return _accepted(OBJECTIVES[name]) - {"v", "eps", "generator"}
+
+
+def objective_from_config(loss: Mapping | None, *, default: str, family: str,
+                          allowed: tuple[str, ...] | None = None, ignored: tuple[str, ...] = (),
+                          bound: Mapping | None = None) -> tuple[str, dict, Callable[..., ObjectiveOutput]]:
+    """A family's training objective from its ``model.loss`` config (``{name: …, <hyper-parameters>}``):
+    ``(name, hyper-parameters, bound objective)``. The one place a LightningModule builds its objective
+    (:class:`src.lit.base.DeqsmModule` calls it once, from the config).
+
+    Args:
+        loss: the config mapping; None means ``{name: default}``.
+        default: the family's objective when the config names none.
+        family: the family's name, for the error message.
+        allowed: the objectives the family can train with (None: every registered one).
+        ignored: config keys the family replaces and drops (NCSN: ``sigma``, each sample's own noise level).
+        bound: hyper-parameters the family sets over the config's, for the objectives that take them (the
+            VAE's ``model.projection`` for SSM / SSM-VR); a None value leaves the config's.
+    """
+    spec = {str(k): v for k, v in dict(loss or {}).items()}
+    name = str(spec.pop("name", default)).lower()
+    if allowed is not None and name not in allowed:
+        raise ValueError(f"model={family} trains with loss={'|'.join(allowed)}; got loss={name}")
+    if name not in OBJECTIVES:
+        raise ValueError(f"unknown objective {name!r}; valid names: {', '.join(OBJECTIVES)}")
+    for key in ignored:
+        spec.pop(key, None)
+    takes = accepted_arguments(name)
+    spec.update({k: v for k, v in dict(bound or {}).items() if k in takes and v is not None})
+    return name, spec, get_objective(name, **spec)
