@@ -20,11 +20,11 @@ import hashlib
 import http.client
 import logging
 import os
-import shutil
-import tempfile
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+
+from src.runtime import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -96,25 +96,17 @@ def download_file(
     file is removed.
     """
     dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "wb") as out, _urlopen(url, timeout=timeout) as response:
-            shutil.copyfileobj(response, out, _CHUNK)
-            out.flush()
-            os.fsync(out.fileno())
-        size = tmp.stat().st_size
+    digest, size = hashlib.md5(usedforsecurity=False), 0
+    with atomic_file(dest, suffix=".part", fsync=True) as out:
+        with _urlopen(url, timeout=timeout) as response:
+            while chunk := response.read(_CHUNK):
+                out.write(chunk)
+                digest.update(chunk)
+                size += len(chunk)
         if size == 0:
             raise OSError(f"empty response from {url}")
-        if md5 is not None:
-            got = md5sum(tmp)
-            if got != md5:
-                raise OSError(f"md5 mismatch for {url}: expected {md5}, got {got} ({size} bytes)")
-        os.replace(tmp, dest)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+        if md5 is not None and digest.hexdigest() != md5:
+            raise OSError(f"md5 mismatch for {url}: expected {md5}, got {digest.hexdigest()} ({size} bytes)")
     log.info("downloaded %s -> %s", url, dest)
     return dest
 

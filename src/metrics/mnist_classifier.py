@@ -29,13 +29,14 @@ import argparse
 import hashlib
 import math
 import os
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from src.runtime import atomic_file
 
 WEIGHTS_DIR = Path(__file__).resolve().parent / "weights"
 DEFAULT_WEIGHTS = WEIGHTS_DIR / "mnist_classifier.pt"
@@ -138,7 +139,8 @@ def write_checksum(path: str | os.PathLike) -> str:
     entries = read_checksums(path.parent)
     entries[path.name] = digest
     text = "".join(f"{d}  {name}\n" for name, d in sorted(entries.items()))
-    _atomic_write_bytes(path.parent / CHECKSUMS_NAME, text.encode())
+    with atomic_file(path.parent / CHECKSUMS_NAME) as fh:
+        fh.write(text.encode())
     return digest
 
 
@@ -176,17 +178,6 @@ def load_mnist_feature_extractor(
 
 
 # ------------------------------------------------------------------------------------------- training
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def to_unit(images: torch.Tensor) -> torch.Tensor:
     """uint8 [N, 28, 28] → float32 [N, 1, 28, 28] in [0, 1]."""
     return images.unsqueeze(1).float().div_(255.0)
@@ -266,14 +257,9 @@ def train(
 
 def save_weights(model: MNISTClassifier, out: str | os.PathLike) -> str:
     """Write the state dict to ``out`` atomically and record its sha256 in CHECKSUMS; returns the digest."""
-    import io
-
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    buf = io.BytesIO()
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, buf)
-    _atomic_write_bytes(out, buf.getvalue())
-    return write_checksum(out)
+    with atomic_file(out) as fh:
+        torch.save({k: v.detach().clone() for k, v in model.state_dict().items()}, fh)
+    return write_checksum(Path(out))
 
 
 def main(argv: list[str] | None = None) -> dict:
