@@ -33,7 +33,11 @@ from src.checkpoints import (
     check_matches_model,
     remove_stale_temporaries,
 )
+from src.memory_estimate import MemoryEstimate
 from src.metrics.presets import apply_eval_preset
+from src.sweep_report import install as _install_sweep_report
+
+_install_sweep_report()  # an Optuna sweep reports its failed trials and goes on (src/sweep_report.py)
 
 log = logging.getLogger(__name__)
 
@@ -161,6 +165,8 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         with open_dict(cfg):
             cfg.logger.wandb.group = group  # multirun jobs: one W&B run each, grouped by sweep
     callbacks = _instantiate_group(cfg.get("callbacks"))
+    if cfg.get("memory_estimate", True):  # probe steps before the first one: warn when a step will not fit
+        callbacks.append(MemoryEstimate(OmegaConf.select(cfg, "data.batch_size"), cfg.get("model"), cfg.get("deq")))
     if not cfg.trainer.get("enable_progress_bar", True):  # a progress-bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = _instantiate_group(cfg.get("logger"))
@@ -268,19 +274,44 @@ def _print_metrics(metrics: dict, out_dir: Path) -> None:
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
     metrics = train(cfg)
-    return optimized_value(metrics, cfg)
+    return optimized_value(metrics, cfg, required=sweeper_needs_value())
 
 
-def optimized_value(metrics: dict[str, Any], cfg: DictConfig) -> float | None:
+class OptimizedMetricNotLogged(RuntimeError):
+    """A sweep trial never logged the ``optimized_metric`` the sweeper optimises: the trial fails."""
+
+
+def sweeper_needs_value() -> bool:
+    """Whether this job is a trial of a sweeper that optimises its return value (Optuna), not a plain sweep."""
+    try:
+        hc = HydraConfig.get()
+    except ValueError:
+        return False
+    target = str(OmegaConf.select(hc, "sweeper._target_") or "")
+    return hc.mode is not None and hc.mode.name == "MULTIRUN" and "optuna" in target.lower()
+
+
+def optimized_value(metrics: dict[str, Any], cfg: DictConfig, required: bool = False) -> float | None:
     """The value of ``cfg.optimized_metric`` for a sweeper: the best checkpoint's score when checkpoints
-    monitor it, else the metric's last logged value; None (with a warning) when the run never logged it."""
+    monitor it, else the metric's last logged value. When the run never logged it: a warning and None, or with
+    ``required`` (a trial of an optimising sweeper) :class:`OptimizedMetricNotLogged`, one sentence that the
+    sweep reports as the trial's failure (src.sweep_report) before it goes on."""
     key = cfg.get("optimized_metric")
     if not key:
         return None
     value = metrics.get(f"best/{key}", metrics.get(key))
     if value is None:
-        log.warning("optimized_metric=%s was not logged by this run (logged: %s)", key,
-                    ", ".join(sorted(k for k in metrics if k.startswith(("val/", "test/")))))
+        stage = key.split("/", 1)[0] + "/"
+        logged = sorted(k for k in metrics if k.startswith(stage) and not k.startswith(f"{stage}deq_"))
+        steps = OmegaConf.select(cfg, "trainer.max_steps")
+        where = (f"logged {stage} keys: {', '.join(logged)}" if logged else
+                 f"no {stage} key at all: the run ended at global step {metrics.get('global_step')} "
+                 f"(trainer.max_steps={steps}) before its first validation")
+        message = (f"optimized_metric={key} was never logged by this run ({where}); validate before the run "
+                   "ends (more steps, trainer.val_check_interval) or optimise a logged key")
+        if required:
+            raise OptimizedMetricNotLogged(message)
+        log.warning(message)
         return None
     return float(value)
 

@@ -4,13 +4,16 @@ the preset and its sample counts reach metrics.json."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from omegaconf import open_dict
 
 from src.metrics.presets import apply_eval_preset, choose_preset
 from src.train import train
-from tests.conftest import FAST, compose_train
+from tests.conftest import FAST, REPO_ROOT, compose_train
 
 NCSN = ["model=ncsn", "data=mnist_images", "loss=ssm_vr"]
 
@@ -104,3 +107,19 @@ def test_preset_and_its_counts_reach_metrics_json(tmp_path):
     assert saved["eval/model.evaluation.ll_samples"] == 2000             # FAST's smaller value stays
     assert saved["test/sm_loss_n_points"] == 32                          # the whole (32-point) test set
     assert saved["config"]["eval"]["preset"] == "quick"
+
+
+def test_command_line_run_states_its_preset(tmp_path):
+    """Through Hydra: the start-up log names the preset, why, and what it changed; a config-group choice on the
+    command line (model=dkef) is not mistaken for a key the user set, a plain key is."""
+    cmd = [sys.executable, "-m", "src.train", "model=dkef", *FAST, "trainer.max_steps=3",
+           "trainer.enable_progress_bar=false", "model.evaluation.ll_samples=200000", f"hydra.run.dir={tmp_path}"]
+    done = subprocess.run(cmd, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    log = done.stdout + done.stderr
+    assert ("evaluation preset: quick (eval=auto: a CPU run of 3 steps (<= eval.quick_max_steps=2000)); "
+            "model.metrics.exact_sm.test_points=256 (was None)") in log
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["eval/model.evaluation.ll_samples"] == 200000  # given on the command line: above quick's cap
+    assert saved["eval/model.metrics.exact_sm.test_points"] == 256

@@ -87,23 +87,54 @@ def is_single_optimizer(cfg: Mapping) -> bool:
 SCHEDULERS = ("cosine",)
 
 
-def make_optimizer(params, spec: Mapping) -> torch.optim.Optimizer:
-    """``torch.optim.<name>(params, **rest)`` from a config mapping (default Adam, lr 1e-3)."""
+def _optimizer_classes() -> dict[str, type]:
+    return {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
+            if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
+            and getattr(torch.optim, n) is not torch.optim.Optimizer}
+
+
+def optimizer_arguments(spec: Mapping, where: str = "model.optimizer") -> tuple[type, dict]:
+    """The ``torch.optim`` class and its keyword arguments of one optimiser spec, checked: a one-line
+    ``ValueError`` naming the key (``where``) for an unknown optimiser, an argument the class does not take, a
+    value that is not a number, or lr <= 0 / weight_decay < 0. Called at start-up (module construction) and
+    again by :func:`make_optimizer`."""
+    import inspect
+
     spec = dict(spec)
     spec.pop("params", None)
     spec.pop("scheduler", None)
     name = str(spec.pop("name", "adam"))
-    classes = {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
-               if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)}
+    classes = _optimizer_classes()
     if name.lower() not in classes:
-        raise ValueError(f"model.optimizer name={name!r} is not a torch.optim optimiser; e.g. adam, adamw, sgd")
+        raise ValueError(f"{where}.name={name!r} is not a torch.optim optimiser; valid: "
+                         f"{', '.join(sorted(classes))}")
+    cls = classes[name.lower()]
+    accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
+    unknown = sorted(set(spec) - accepted)
+    if unknown:
+        raise ValueError(f"{where}: {cls.__name__} takes no argument {', '.join(unknown)}; "
+                         f"its arguments: {', '.join(sorted(accepted))}")
     for key in ("lr", "weight_decay", "eps", "momentum"):
         if key in spec:
-            spec[key] = float(spec[key])
+            try:
+                spec[key] = float(spec[key])
+            except (TypeError, ValueError):
+                raise ValueError(f"{where}.{key}={spec[key]!r} is not a number") from None
     spec.setdefault("lr", 1e-3)
+    if not spec["lr"] > 0:
+        raise ValueError(f"{where}.lr={spec['lr']:g} must be > 0 (e.g. 1e-3)")
+    if spec.get("weight_decay", 0.0) < 0:
+        raise ValueError(f"{where}.weight_decay={spec['weight_decay']:g} must be >= 0")
     if "betas" in spec:
         spec["betas"] = tuple(float(b) for b in spec["betas"])
-    return classes[name.lower()](params, **spec)
+    return cls, spec
+
+
+def make_optimizer(params, spec: Mapping, where: str = "model.optimizer") -> torch.optim.Optimizer:
+    """``torch.optim.<name>(params, **rest)`` from a config mapping (default Adam, lr 1e-3), checked by
+    :func:`optimizer_arguments`."""
+    cls, kwargs = optimizer_arguments(spec, where)
+    return cls(params, **kwargs)
 
 
 class DeqsmModule(L.LightningModule):
@@ -126,6 +157,8 @@ class DeqsmModule(L.LightningModule):
         super().__init__()
         self.monitor, self.monitor_mode = monitor, monitor_mode
         self.optimizer_cfg = dict(as_plain(optimizer) or {})
+        for name, spec in self.optimizer_specs().items():  # bad optimiser settings: one line, at start-up
+            optimizer_arguments(spec, self._optimizer_key(name))
         self.evaluation_cfg = dict(as_plain(evaluation) or {})
         self.eval_metrics = build_metrics(as_plain(metrics))
         self.manual_clip: dict[str, Any] = {}
@@ -163,6 +196,10 @@ class DeqsmModule(L.LightningModule):
             return {"main": dict(cfg)}
         return {name: dict(spec) for name, spec in cfg.items()}
 
+    def _optimizer_key(self, name: str) -> str:
+        """The config key of optimiser ``name`` (``model.optimizer`` for a single one)."""
+        return "model.optimizer" if is_single_optimizer(self.optimizer_cfg) else f"model.optimizer.{name}"
+
     def _params_of(self, name: str, spec: Mapping) -> list[torch.nn.Parameter]:
         paths = spec.get("params")
         if paths is None:
@@ -193,7 +230,7 @@ class DeqsmModule(L.LightningModule):
                 owner[id(p)] = name
             if not params:
                 raise ValueError(f"model.optimizer.{name} has no trainable parameters")
-            optimizers.append(make_optimizer(params, spec))
+            optimizers.append(make_optimizer(params, spec, self._optimizer_key(name)))
         missing = [n for n, p in self.named_parameters() if p.requires_grad and id(p) not in owner]
         if missing:
             raise ValueError(f"parameters in no optimiser: {', '.join(missing[:5])}"

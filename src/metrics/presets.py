@@ -70,14 +70,17 @@ def choose_preset(cfg: DictConfig) -> tuple[str, str]:
 
 
 def hydra_override_keys() -> set[str]:
-    """Keys set on the command line of the current Hydra run (empty outside one)."""
+    """Keys set on the command line of the current Hydra run (empty outside one); config-group choices
+    (``model=ncsn``, ``trainer=cpu``, ``experiment=…``) select configs, they set no key, so they are left out."""
     try:
         from hydra.core.hydra_config import HydraConfig
 
-        task = HydraConfig.get().overrides.task
+        hc = HydraConfig.get()
+        task, groups = hc.overrides.task, set(hc.runtime.choices)
     except (ValueError, ImportError, AttributeError):
         return set()
-    return {str(o).split("=", 1)[0].lstrip("+~") for o in task if "=" in str(o)}
+    keys = {str(o).split("=", 1)[0].lstrip("+~") for o in task if "=" in str(o)}
+    return {k for k in keys if k not in groups and k.split("@", 1)[0] not in groups}
 
 
 def _is_explicit(key: str, explicit: Iterable[str]) -> bool:
