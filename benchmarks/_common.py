@@ -12,12 +12,20 @@ with or without ``pip install -e .``, and the commands the result tables record 
   ``training_step`` with its *own* configured optimisers outside a ``Trainer`` (Lightning Fabric), so a
   memory benchmark measures the step a training run takes, not a copy of it;
 - measuring: :func:`measured` (wall time, bytes autograd saves for backward, CUDA peak of one call),
-  :func:`device_name`.
+  :func:`device_name`;
+- what a result records: :func:`machine_facts`, :func:`script_command`;
+- result files: :func:`result_options` (``--out``, ``--render``), :func:`rendered` (``--render``: the markdown
+  rebuilt from the saved JSON, nothing run), :func:`note_lines`;
+- studies of trained checkpoints (``--ckpt LABEL=PATH …``): :func:`checkpoint_options` and
+  :func:`checkpoint_study`.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -30,7 +38,8 @@ if str(ROOT) not in sys.path:
 RESULTS = ROOT / "benchmarks" / "results"
 DATA_ROOT = ROOT / "data"
 
-__all__ = ["DATA_ROOT", "RESULTS", "ROOT", "device_name", "measured", "run_module", "thread_env",
+__all__ = ["DATA_ROOT", "RESULTS", "ROOT", "checkpoint_options", "checkpoint_study", "device_name", "machine_facts",
+           "measured", "note_lines", "rendered", "result_options", "run_module", "script_command", "thread_env",
            "train_job", "trainer_free", "training_step"]
 
 
@@ -137,10 +146,93 @@ def measured(fn: Callable[[], object], device: str = "cpu") -> dict:
 
 def device_name(device: str) -> str:
     """The GPU's name for a CUDA device, else the CPU's (``platform.processor()``, or ``"cpu"``)."""
-    import platform
-
     import torch
 
     if str(device).startswith("cuda"):
         return torch.cuda.get_device_name()
     return platform.processor() or "cpu"
+
+
+# ------------------------------------------------------------------------------ what a result records
+def machine_facts() -> str:
+    """``"x86_64, 2 cores; python 3.11.7; torch 2.13.0; cpu, 1 thread(s)"``: the machine line of a result."""
+    import torch
+
+    return (f"{platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; "
+            f"torch {torch.__version__}; cpu, {torch.get_num_threads()} thread(s)")
+
+
+def script_command(script: str, argv: Sequence[str] | None = None) -> str:
+    """``python benchmarks/<script> <argv>`` (this process's arguments by default), each argument quoted as a
+    shell needs it: the command a result records."""
+    return " ".join(["python", f"benchmarks/{script}", *(shlex.quote(a) for a in
+                                                         (sys.argv[1:] if argv is None else argv))])
+
+
+# ------------------------------------------------------------------------------------ result files
+def result_options(ap: argparse.ArgumentParser, name: str | None = None) -> None:
+    """``--out`` (the results folder, default ``benchmarks/results``), ``--name`` (the result's file stem,
+    when ``name`` is given as its default) and ``--render`` (rebuild the markdown from the saved JSON)."""
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    if name is not None:
+        ap.add_argument("--name", default=name, help="result file stem")
+    ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
+
+
+def rendered(args, stem: str, render: Callable[[dict], str]) -> bool:
+    """With ``--render``: ``<out>/<stem>.md`` rebuilt from ``<out>/<stem>.json`` (True: nothing else to do)."""
+    if not args.render:
+        return False
+    from src.reporting import rerender
+
+    rerender(args.out, stem, render)
+    return True
+
+
+def note_lines(meta: dict) -> list[str]:
+    """A result's ``--note`` (a finding, written below its table) as markdown lines, or none."""
+    return [meta["note"].strip(), ""] if meta.get("note") else []
+
+
+# -------------------------------------------------------------------------- studies of checkpoints
+def checkpoint_options(ap: argparse.ArgumentParser, name: str, what: str) -> None:
+    """The options every study of trained checkpoints has: ``--ckpt LABEL=PATH`` (repeatable), ``--root``,
+    ``--n``, ``--seed``, ``--note``, ``--out``, ``--name`` (default ``name``), ``--render``."""
+    from src.reporting import labelled_checkpoint
+
+    ap.add_argument("--ckpt", action="append", default=[], type=labelled_checkpoint,
+                    help=f"LABEL=PATH of {what} (repeatable; split at the last =)")
+    ap.add_argument("--root", default=None, help="data.root")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
+    result_options(ap, name)
+
+
+def checkpoint_study(ap: argparse.ArgumentParser, args, script: str, render: Callable[[dict], str],
+                     measure: Callable[[object], dict], **meta) -> None:
+    """Run a study parsed with :func:`checkpoint_options`: ``measure(module)`` for each ``--ckpt`` (loaded by
+    ``src.sample.load_module``, torch threads from ``OMP_NUM_THREADS``), ``<out>/<name>.json`` and ``.md``
+    rewritten after each; ``meta`` (the study's settings) is recorded beside the machine and the command.
+    With ``--render`` only the markdown is rebuilt from the saved JSON."""
+    from src.reporting import write_results
+
+    if rendered(args, args.name, render):
+        return
+    if not args.ckpt:
+        ap.error("give at least one --ckpt LABEL=PATH")
+    import torch
+
+    from src.sample import load_module
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    overrides = [f"data.root={args.root}"] if args.root else []
+    res = {"meta": {"machine": machine_facts(), "command": script_command(script), "n": args.n, **meta,
+                    "seed": args.seed, "note": Path(args.note).read_text() if args.note else None},
+           "checkpoints": {}}
+    for label, path in args.ckpt:
+        module = load_module(path, overrides)[0]
+        res["checkpoints"][label] = {"checkpoint": path, **measure(module)}
+        write_results(args.out, args.name, res, render)
+        print(f"{label}: done", flush=True)
+    print(f"-> {Path(args.out) / args.name}.md")

@@ -24,15 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from _common import RESULTS
+from _common import measured, rendered, result_options
 from torch import nn
 
-from src.callbacks.profiling import SavedTensorsMeter
 from src.models.ncsn import (
     NCSN,
     ConditionalInstanceNorm2dPlus,
@@ -41,7 +38,7 @@ from src.models.ncsn import (
     conv3x3,
     geometric_sigmas,
 )
-from src.reporting import markdown_table, rerender, write_results
+from src.reporting import markdown_table, write_results
 
 MB = 2**20
 
@@ -91,19 +88,15 @@ class AuthorsDEQ(nn.Module):
 
 
 def measure(net: nn.Module, batch: int, n: int, repeats: int = 3) -> dict:
+    """The score's forward on a seeded batch after one warm-up: saved-for-backward bytes, median ms."""
     g = torch.Generator().manual_seed(0)
     x = torch.rand(batch, 3, 32, 32, generator=g).requires_grad_(True)
     labels = torch.randint(0, n, (batch,), generator=g)
     net(x, labels)  # warm-up
-    times, saved = [], 0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        with SavedTensorsMeter() as meter:
-            net(x, labels)
-        times.append(1e3 * (time.perf_counter() - t0))
-        saved = meter.bytes
-    return {"params": sum(p.numel() for p in net.parameters()), "score_saved_MB": saved / MB,
-            "score_ms": sorted(times)[len(times) // 2]}
+    runs = [measured(lambda: net(x, labels)) for _ in range(repeats)]
+    times = sorted(1e3 * r["seconds"] for r in runs)
+    return {"params": sum(p.numel() for p in net.parameters()), "score_saved_MB": runs[-1]["saved_bytes"] / MB,
+            "score_ms": times[len(times) // 2]}
 
 
 def render(res: dict) -> str:
@@ -133,11 +126,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--ngf", type=int, default=128)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--render", action="store_true")
+    result_options(ap)
     args = ap.parse_args()
-    if args.render:
-        rerender(args.out, "ncsn_memory_cause", render)
+    if rendered(args, "ncsn_memory_cause", render):
         return
     torch.set_num_threads(1)
     torch.manual_seed(0)

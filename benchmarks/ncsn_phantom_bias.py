@@ -19,15 +19,10 @@ Writes ``<out>/<name>.json`` and ``.md`` (default ``benchmarks/results/ncsn_phan
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import shlex
-import sys
-from pathlib import Path
 
-from _common import RESULTS
+from _common import checkpoint_options, checkpoint_study, note_lines
 
-from src.reporting import labelled_checkpoint, markdown_table, rerender, write_results
+from src.reporting import markdown_table
 
 
 def losses(module, x, seed: int) -> dict[str, float]:
@@ -82,48 +77,16 @@ def render(res: dict) -> str:
         rows.append([label, f"{r['contraction_rate_level0']:.3f}", *(f"{ls[m]['ssm_vr']:.2f}" for m in modes),
                      "—" if gap is None else f"{gap - ls['implicit']['ssm_vr']:+.2f}", f"{ls['implicit']['dsm']:.2f}"])
     lines += markdown_table(head, rows) + [""]
-    if meta.get("note"):
-        lines += [meta["note"].strip(), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + note_lines(meta))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", action="append", default=[], type=labelled_checkpoint,
-                    help="LABEL=PATH of a DEQ-NCSN checkpoint (repeatable; split at the last =)")
-    ap.add_argument("--root", default=None, help="data.root")
-    ap.add_argument("--n", type=int, default=64)
+    checkpoint_options(ap, "ncsn_phantom_bias", "a DEQ-NCSN checkpoint")
     ap.add_argument("--ks", default="1,2,4,8", help="phantom steps K to evaluate")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--name", default="ncsn_phantom_bias")
-    ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
     args = ap.parse_args()
-    if args.render:
-        rerender(args.out, args.name, render)
-        return
-    if not args.ckpt:
-        ap.error("give at least one --ckpt LABEL=PATH")
-    import torch
-
-    from src.sample import load_module
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     ks = [int(k) for k in args.ks.split(",")]
-    overrides = [f"data.root={args.root}"] if args.root else []
-    res = {"meta": {"machine": f"{platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; "
-                               f"torch {torch.__version__}; cpu, {torch.get_num_threads()} thread(s)",
-                    "command": " ".join(["python", "benchmarks/ncsn_phantom_bias.py",
-                                         *(shlex.quote(a) for a in sys.argv[1:])]),
-                    "n": args.n, "seed": args.seed, "note": Path(args.note).read_text() if args.note else None},
-           "checkpoints": {}}
-    for label, path in args.ckpt:
-        module, _, _, _ = load_module(path, overrides)
-        res["checkpoints"][label] = {"checkpoint": path, **measure(module, args.n, ks, args.seed)}
-        write_results(args.out, args.name, res, render)
-        print(f"{label}: done", flush=True)
-    print(f"-> {Path(args.out) / args.name}.md")
+    checkpoint_study(ap, args, "ncsn_phantom_bias.py", render, lambda module: measure(module, args.n, ks, args.seed))
 
 
 if __name__ == "__main__":

@@ -26,15 +26,10 @@ Writes ``<out>/<name>.json`` and ``.md`` (default ``benchmarks/results/ncsn_samp
 from __future__ import annotations
 
 import argparse
-import os
-import platform
-import shlex
-import sys
-from pathlib import Path
 
-from _common import RESULTS
+from _common import checkpoint_options, checkpoint_study, note_lines
 
-from src.reporting import labelled_checkpoint, markdown_table, rerender, write_results
+from src.reporting import markdown_table
 
 INITS = ("uniform", "data")
 
@@ -110,53 +105,23 @@ def render(res: dict) -> str:
                           f"{t['e_rms']:.3f}"]
             rows.append(cells)
         lines += markdown_table(head, rows) + [""]
-    if meta.get("note"):
-        lines += [meta["note"].strip(), ""]
-    return "\n".join(lines)
+    return "\n".join(lines + note_lines(meta))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--ckpt", action="append", default=[], type=labelled_checkpoint,
-                    help="LABEL=PATH of an NCSN checkpoint (repeatable; split at the last =)")
-    ap.add_argument("--root", default=None, help="data.root for the test images")
-    ap.add_argument("--n", type=int, default=64)
+    checkpoint_options(ap, "ncsn_sampler_drift", "an NCSN checkpoint")
     ap.add_argument("--n-steps-each", type=int, default=10)
     ap.add_argument("--step-lr", type=float, default=2e-4)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
-    ap.add_argument("--out", default=str(RESULTS))
-    ap.add_argument("--name", default="ncsn_sampler_drift")
-    ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
     args = ap.parse_args()
-    if args.render:
-        rerender(args.out, args.name, render)
-        return
-    if not args.ckpt:
-        ap.error("give at least one --ckpt LABEL=PATH")
-    import torch
 
-    from src.sample import load_module
-
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    overrides = [f"data.root={args.root}"] if args.root else []
-    res = {"meta": {"machine": f"{platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; "
-                               f"torch {torch.__version__}; cpu, {torch.get_num_threads()} thread(s)",
-                    "command": " ".join(["python", "benchmarks/ncsn_sampler_drift.py",
-                                         *(shlex.quote(a) for a in sys.argv[1:])]),
-                    "n": args.n, "n_steps_each": args.n_steps_each, "step_lr": args.step_lr, "seed": args.seed,
-                    "note": Path(args.note).read_text() if args.note else None},
-           "checkpoints": {}}
-    for label, path in args.ckpt:
-        module, _, _, _ = load_module(path, overrides)
+    def measure(module) -> dict:
         if not hasattr(module, "net") or not hasattr(module.net, "sigmas"):
-            raise SystemExit(f"{path}: not an NCSN checkpoint (model=ncsn)")
-        r = diagnose(module, args.n, args.n_steps_each, args.step_lr, args.seed)
-        r["checkpoint"] = path
-        res["checkpoints"][label] = r
-        write_results(args.out, args.name, res, render)
-        print(f"{label}: done", flush=True)
-    print(f"-> {Path(args.out) / args.name}.md")
+            raise SystemExit("not an NCSN checkpoint (model=ncsn)")
+        return diagnose(module, args.n, args.n_steps_each, args.step_lr, args.seed)
+
+    checkpoint_study(ap, args, "ncsn_sampler_drift.py", render, measure, n_steps_each=args.n_steps_each,
+                     step_lr=args.step_lr)
 
 
 if __name__ == "__main__":

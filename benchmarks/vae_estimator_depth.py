@@ -17,14 +17,13 @@ import json
 import math
 import platform
 import time
-from pathlib import Path
 
 import torch
-from _common import RESULTS
+from _common import rendered, result_options
 
 from src.models.vae import ConditionalScore, ScoreEstimator
 from src.objectives.ssm import ssm
-from src.reporting import markdown_table, rerender, write_results
+from src.reporting import markdown_table, write_results
 
 D, DZ = 784, 8
 
@@ -72,11 +71,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--render", action="store_true")
+    result_options(ap)
     args = ap.parse_args()
-    if args.render:
-        rerender(args.out, "vae_estimator_depth", render)
+    if rendered(args, "vae_estimator_depth", render):
         return
     torch.set_num_threads(1)
     rows = []
