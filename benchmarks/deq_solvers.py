@@ -18,20 +18,19 @@ samples, after a step" — the by-sample-index warm start of training). Results 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
-from _common import DATA_ROOT, RESULTS
+from _common import DATA_ROOT, rendered, result_options
 
 from src.data.datamodules import UCIDataModule
 from src.deq.block import DenseDEQBlock
 from src.deq.config import DEQConfig
 from src.deq.solvers import solve
 from src.lit.dkef import DKEFLitModule
+from src.reporting import write_results
 
 SOLVERS = ("picard", "anderson", "broyden")
 
@@ -174,6 +173,11 @@ def to_markdown(rows, meta) -> str:
     return f"Tolerance {meta['tol']} (absolute, per sample), {meta['threads']} CPU thread(s), {meta['machine']}.\n\n" + head + body
 
 
+def render(res: dict) -> str:
+    """The markdown of a saved ``deq_solvers.json``."""
+    return to_markdown(res["rows"], res["meta"])
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--root", default=str(DATA_ROOT), help="data.root (RedWine and MNIST)")
@@ -185,8 +189,10 @@ def main(argv=None):
     p.add_argument("--lambdas", default="2.0,1.1",
                    help="norm_lambda values to solve each block at: 2.0 trains (fast contraction, ~6 iterations); "
                         "values near 1 give the slow contraction (rate up to 1/lambda) where acceleration matters")
-    p.add_argument("--out", type=Path, default=RESULTS)
+    result_options(p)
     args = p.parse_args(argv)
+    if rendered(args, "deq_solvers", render):
+        return
     torch.set_num_threads(args.threads)
     rows = []
     blocks = [("DKEF (trained, width 64)", trained_dkef_block(args.root, args.train_steps, args.seed)),
@@ -198,11 +204,8 @@ def main(argv=None):
             rows += bench_block(f"{name}, λ={lam:g}", block, batches, step_fn, args.tol, args.max_iter)
     meta = {"tol": args.tol, "threads": args.threads, "machine": f"{platform.machine()} {platform.processor() or ''}".strip(),
             "torch": torch.__version__, "command": "python benchmarks/deq_solvers.py " + " ".join(argv or sys.argv[1:])}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "deq_solvers.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    md = to_markdown(rows, meta)
-    (args.out / "deq_solvers.md").write_text(md)
-    print(md)
+    write_results(args.out, "deq_solvers", {"meta": meta, "rows": rows}, render, indent=2)
+    print(render({"meta": meta, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from _common import RESULTS, device_name, measured
 
 from src.deq.config import DEQConfig
 from src.lit.dkef import DKEFLitModule
-from src.reporting import rerender
+from src.reporting import load_results, rerender, write_results
 
 # name -> (batch, hidden width of explicit layers, DEQ width); the DKEF defaults otherwise (M = 200 inducing
 # points, 3 kernels, feature dim 30).
@@ -134,13 +134,10 @@ def main(argv: list[str] | None = None) -> dict:
     meta = {"device_name": device_name(args.device), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "dim": args.dim, "batch": batch, "hidden": hidden, "deq_width": deq_width, "loss": args.loss,
             "steps": args.steps, "command": "python benchmarks/dkef_memory.py " + " ".join(argv or sys.argv[1:])}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "dkef_memory.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
+    results = load_results(args.out, "dkef_memory")
     key = f"{args.device.split(':')[0]}/{args.setting}/D{args.dim}/{args.loss}"
     results[key] = {"meta": meta, "rows": rows}
-    path.write_text(json.dumps(results, indent=2, sort_keys=True))
-    (args.out / "dkef_memory.md").write_text(render(results))
+    write_results(args.out, "dkef_memory", results, render, indent=2, sort_keys=True)
     return results[key]
 
 

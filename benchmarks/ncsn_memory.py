@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 
 from src.deq.config import DEQConfig
 from src.lit.ncsn import NCSNLitModule
-from src.reporting import markdown_table, rerender
+from src.reporting import load_results, markdown_table, rerender, write_results
 
 # (row, arch, deq enabled, depth, deq overrides): the paper's three rows of Table 5, and the DEQ with the spectral
 # bound on its convolutions (deq.norm=spectral) — with a relative stopping tolerance: its map contracts at ≈ 0.08,
@@ -192,13 +192,10 @@ def main(argv: list[str] | None = None) -> None:
     key = f"{args.device} batch {args.batch} ngf {args.ngf}"
     meta = {"device_name": name, "torch": torch.__version__, "threads": args.threads, "batch": args.batch,
             "steps": args.steps, "warmup": args.warmup, "note": args.note}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "ncsn_memory.json"
-    results = json.loads(path.read_text()) if path.exists() else {}
+    results = load_results(args.out, "ncsn_memory")
     results[key] = {"meta": meta, "rows": rows}
-    path.write_text(json.dumps(results, indent=2, sort_keys=True))
-    (args.out / "ncsn_memory.md").write_text(render(results))
-    print(f"-> {path} and ncsn_memory.md")
+    write_results(args.out, "ncsn_memory", results, render, indent=2, sort_keys=True)
+    print(f"-> {args.out / 'ncsn_memory'}.json and .md")
 
 
 if __name__ == "__main__":

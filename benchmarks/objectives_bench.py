@@ -46,6 +46,7 @@ except ImportError:  # a bare GPU box without Hydra: load src.objectives (pure t
     sys.modules["src"] = _pkg
 
 from src.objectives import cp, dsm, sm, ssm_vr
+from src.reporting import load_results, write_results
 
 SIZES = {"dkef": {"hidden": 30, "layers": 3}, "nice": {"hidden": 1000, "layers": 5}}
 ROUTES = ("loop", "replicate", "func", "batched")
@@ -333,16 +334,13 @@ def main(argv=None):
     if args.quick:
         args.repeats, args.case_budget, args.case_cap = 3, 1.5, min(args.case_cap, 8.0)
         args.agree_batch, args.agree_max_d_nice = 2, 200
-    args.results_dir.mkdir(parents=True, exist_ok=True)
-    jpath = args.results_dir / "objectives.json"
-    results = json.loads(jpath.read_text()) if jpath.exists() else {}
+    results = load_results(args.results_dir, "objectives")
     for m in args.merge:
         results.update(json.loads(m.read_text()))
     if not args.render_only:
         key = torch.device(args.device).type
         results[key] = run_benchmarks(args)
-    jpath.write_text(json.dumps(results, indent=1))
-    (args.results_dir / "objectives.md").write_text(render(results))
+    write_results(args.results_dir, "objectives", results, render)
     print(render(results))
 
 

@@ -42,6 +42,7 @@ from src.reporting import (
     read_overrides,
     scale_of,
     summarise,
+    write_results,
 )
 
 NICE_COLUMNS = [
@@ -480,7 +481,7 @@ def main(argv=None):
                    help="with --old: keep the file's rows of methods this grid did not re-run, under their own names")
     p.add_argument("--note", type=Path, default=None, help="a markdown file printed above the tables")
     args = p.parse_args(argv)
-    grid_fn, columns = GRIDS[args.grid]
+    grid_fn = GRIDS[args.grid][0]
     if args.render:
         stem = args.name or (args.grid + ("" if args.device == "cpu" else f"_{args.device}"))
         data = json.loads((args.out / f"{stem}.json").read_text())
@@ -522,8 +523,8 @@ def main(argv=None):
 
     def write():
         done = with_old([r for r in results if r is not None])
-        (args.out / f"{stem}.json").write_text(json.dumps({"meta": meta, "jobs": [portable(r) for r in done]}, indent=2))
-        (args.out / f"{stem}.md").write_text(to_markdown(done, columns, meta))
+        write_results(args.out, stem, {"meta": meta, "jobs": [portable(r) for r in done]},
+                      lambda data: render(data, args.grid), indent=2)
 
     if args.old:
         meta["old"] = {"files": [str(p) for p in args.old], "label": args.old_label, "keep_rest": args.old_keep_rest}

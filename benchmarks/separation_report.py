@@ -31,6 +31,7 @@ from string import Template
 import numpy as np
 from _common import RESULTS, ROOT, thread_env, train_job
 
+from src.reporting import write_results
 from src.studies import implicit_bias as ib
 from src.studies import regions as rg
 from src.studies import tasks
@@ -495,8 +496,8 @@ def main(argv=None):
         jobs.append(job)
     made = figures(jobs, exact, out)
     payload = {"meta": meta, "exact": exact, "jobs": jobs, "figures": made}
-    (out / "separation.json").write_text(json.dumps(payload, indent=1, default=float))
-    (out / "separation.md").write_text(markdown(jobs, exact, made, meta))
+    write_results(out, "separation", payload, lambda p: markdown(p["jobs"], p["exact"], p["figures"], p["meta"]),
+                  default=float)
     print(f"wrote {out / 'separation.md'} ({time.perf_counter() - t0:.0f} s)")
 
 

@@ -19,7 +19,7 @@ import platform
 import time
 
 import torch
-from _common import rendered, result_options
+from _common import rendered, result_options, script_command
 
 from src.models.vae import ConditionalScore, ScoreEstimator
 from src.objectives.ssm import ssm
@@ -81,7 +81,7 @@ def main() -> None:
         for depth in (0, 8, 16):
             rows.append(run(depth, lr, args.steps, args.width))
             print(json.dumps(rows[-1]), flush=True)
-    res = {"meta": {"command": "python benchmarks/vae_estimator_depth.py", "machine": f"{platform.machine()} CPU",
+    res = {"meta": {"command": script_command("vae_estimator_depth.py"), "machine": f"{platform.machine()} CPU",
                     "torch": torch.__version__, "steps": args.steps, "width": args.width}, "rows": rows}
     write_results(args.out, "vae_estimator_depth", res, render)
 

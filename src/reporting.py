@@ -11,8 +11,9 @@ a table can be rebuilt from a saved JSON file without the run directories.
   (that for every column), :func:`format_summary` (the ``mean ± std`` cell: bytes shown in MB, std only when
   there are at least two values);
 - markdown: :func:`markdown_table`;
-- result files: :func:`write_results` (``<stem>.json`` atomically, then ``<stem>.md`` rendered from it) and
-  :func:`rerender` (the markdown again from a saved JSON, the benchmarks' ``--render``);
+- result files: :func:`write_results` (``<stem>.json`` atomically, then ``<stem>.md`` rendered from it),
+  :func:`load_results` (a saved JSON to merge into) and :func:`rerender` (the markdown again from a saved
+  JSON, the benchmarks' ``--render``);
 - figures: :func:`figure` (headless matplotlib, ``tight_layout``, save, close).
 """
 
@@ -32,6 +33,7 @@ __all__ = [
     "figure",
     "format_summary",
     "group_rows",
+    "load_results",
     "load_run",
     "markdown_table",
     "parse_overrides",
@@ -137,15 +139,24 @@ def labelled_checkpoint(spec: str) -> tuple[str, str]:
     return label, path
 
 
-def write_results(out: Path, stem: str, res: dict, render: Callable[[dict], str]) -> None:
+def write_results(out: Path, stem: str, res: dict, render: Callable[[dict], str], indent: int = 1,
+                  **dumps) -> None:
     """``<out>/<stem>.json`` (written to a temporary file and renamed: a killed run never leaves half a file)
-    and ``<out>/<stem>.md`` = ``render(res)``."""
+    and ``<out>/<stem>.md`` = ``render(res)``. ``indent`` and ``dumps`` (``sort_keys``, ``default``) go to
+    ``json.dumps``."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tmp = out / f"{stem}.json.tmp"
-    tmp.write_text(json.dumps(res, indent=1))
+    tmp.write_text(json.dumps(res, indent=indent, **dumps))
     tmp.replace(out / f"{stem}.json")
     (out / f"{stem}.md").write_text(render(res))
+
+
+def load_results(out: Path, stem: str) -> dict:
+    """The saved ``<out>/<stem>.json`` (``{}`` when there is none): what a benchmark that merges its runs by
+    device or setting adds its new section to."""
+    path = Path(out) / f"{stem}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
 
 
 def rerender(out: Path, stem: str, render: Callable[[dict], str]) -> dict:

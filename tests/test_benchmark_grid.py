@@ -174,7 +174,7 @@ def test_other_committed_benchmark_tables_rebuild_exactly_from_their_json(name, 
 
 def test_deq_solvers_table_rebuilds_exactly_from_its_json():
     data = json.loads((RESULTS / "deq_solvers.json").read_text())
-    assert _benchmark("deq_solvers").to_markdown(data["rows"], data["meta"]) == (RESULTS / "deq_solvers.md").read_text()
+    assert _benchmark("deq_solvers").render(data) == (RESULTS / "deq_solvers.md").read_text()
 
 
 def test_separation_report_renders_its_markdown_from_the_json(tmp_path):
