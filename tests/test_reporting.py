@@ -83,3 +83,21 @@ def test_labelled_checkpoint_splits_at_the_last_equals_sign():
     assert labelled_checkpoint("DEQ=last.ckpt") == ("DEQ", "last.ckpt")
     with pytest.raises(argparse.ArgumentTypeError, match="LABEL=PATH"):
         labelled_checkpoint("last.ckpt")
+
+
+def test_result_files_are_written_atomically_merged_and_rerendered(tmp_path):
+    from src.reporting import load_results, rerender, write_results
+
+    def render(res):
+        return "\n".join(f"| {k} | {v['x']:.1f} |" for k, v in res.items()) + "\n"
+
+    assert load_results(tmp_path, "r") == {}
+    write_results(tmp_path, "r", {"b": {"x": 2.0}, "a": {"x": 1.25}}, render, indent=2, sort_keys=True)
+    assert (tmp_path / "r.json").read_text() == '{\n  "a": {\n    "x": 1.25\n  },\n  "b": {\n    "x": 2.0\n  }\n}'
+    assert not (tmp_path / "r.json.tmp").exists()
+    merged = {**load_results(tmp_path, "r"), "c": {"x": float("nan")}}
+    write_results(tmp_path, "r", merged, render)  # NaN written as JSON's NaN, read back as nan
+    assert (tmp_path / "r.md").read_text() == "| a | 1.2 |\n| b | 2.0 |\n| c | nan |\n"
+    (tmp_path / "r.md").write_text("edited by hand")
+    assert rerender(tmp_path, "r", render)["b"] == {"x": 2.0}
+    assert (tmp_path / "r.md").read_text() == "| a | 1.2 |\n| b | 2.0 |\n| c | nan |\n"
