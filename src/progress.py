@@ -10,6 +10,7 @@ loss D backward passes per point). :func:`phase` shows such a phase as its own t
 - inside the run's live Rich progress bar (Lightning's ``RichProgressBar``, the default ``callbacks=`` set) as
   an extra task, removed when the phase ends;
 - otherwise (another progress bar, e.g. ``callbacks=minimal``'s default one) as a ``tqdm`` bar on stderr;
+- as log lines (start, every tenth, end, with the time left) when stderr is not a terminal (log files);
 - silent — ``advance`` does nothing — with ``trainer.enable_progress_bar=false``, on ranks other than 0, and
   outside a Trainer (scripts, benchmarks), unless ``force=True``.
 """
@@ -17,13 +18,22 @@ loss D backward passes per point). :func:`phase` shows such a phase as its own t
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
+import time
 from collections.abc import Callable, Iterator
 
 Advance = Callable[[int], None]
+log = logging.getLogger(__name__)
 
 
 def _noop(n: int = 1) -> None:
     return None
+
+
+def _interactive() -> bool:
+    """Whether stderr is a terminal (bars), or a file (log lines)."""
+    return sys.stderr.isatty()
 
 
 def _trainer_of(owner):
@@ -55,14 +65,22 @@ def _live_rich_progress(trainer):
 
 class Phase:
     """One phase's progress display, opened at construction; ``advance(n)`` and ``close()`` (idempotent).
-    For phases that span several calls (a metric's test batches); :func:`phase` wraps it for one block."""
+    For phases that span several calls (a metric's test batches); :func:`phase` wraps it for one block.
+    When stderr is not a terminal (a log file, ``nohup``) a bar would print nothing useful: the phase logs a
+    line at its start, at every tenth of its total and at its end instead, with the elapsed and remaining time."""
 
     def __init__(self, owner, description: str, total: int | None, force: bool = False):
         self._bar = self._task = self._tqdm = None
+        self._log = False
         trainer = _trainer_of(owner)
         if not (force or enabled(trainer)):
             return
         total = None if total is None else int(total)
+        self.description, self.total, self.done, self._t0, self._next = description, total, 0, time.monotonic(), 0.1
+        if not _interactive():
+            self._log = True
+            log.info("%s: started (%s)", description, "?" if total is None else f"{total} in all")
+            return
         self._bar = _live_rich_progress(trainer)
         if self._bar is not None:
             self._task = self._bar.progress.add_task(description, total=total)
@@ -73,7 +91,7 @@ class Phase:
 
     @property
     def active(self) -> bool:
-        return self._task is not None or self._tqdm is not None
+        return self._task is not None or self._tqdm is not None or self._log
 
     def advance(self, n: int = 1) -> None:
         if self._task is not None:
@@ -81,6 +99,14 @@ class Phase:
             self._bar.refresh()
         elif self._tqdm is not None:
             self._tqdm.update(n)
+        elif self._log:
+            self.done += n
+            if self.total and self.done >= self._next * self.total and self.done < self.total:
+                elapsed = time.monotonic() - self._t0
+                left = elapsed * (self.total - self.done) / self.done
+                log.info("%s: %d %% (%d/%d), %.0f s, about %.0f s left", self.description,
+                         100 * self.done // self.total, self.done, self.total, elapsed, left)
+                self._next = (10 * self.done // self.total + 1) / 10
 
     __call__ = advance
 
@@ -90,7 +116,10 @@ class Phase:
                 self._bar.progress.remove_task(self._task)
         if self._tqdm is not None:
             self._tqdm.close()
+        if self._log:
+            log.info("%s: done (%d) in %.1f s", self.description, self.done, time.monotonic() - self._t0)
         self._bar = self._task = self._tqdm = None
+        self._log = False
 
 
 @contextlib.contextmanager

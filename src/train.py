@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -198,12 +199,15 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         # once, as Lightning loads it through AtomicCheckpointIO
         check_checkpoint_file(cfg.ckpt_path)
         remove_stale_temporaries(Path(cfg.ckpt_path).parent)  # a killed save's leftovers
+    t_fit, c_fit = time.perf_counter(), time.process_time()
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=not trust)
 
     metrics: dict[str, Any] = {
         "n_params": n_params,
         "global_step": trainer.global_step,
         "epochs": trainer.current_epoch,
+        "time/fit_s": time.perf_counter() - t_fit,  # wall time of fit: start-up probes, validation, training
+        "time/fit_cpu_s": time.process_time() - c_fit,  # its CPU time, all threads (the figure on a busy machine)
     }
     for key, value in trainer.callback_metrics.items():
         if key.startswith(("val/", "train/")) and torch.is_tensor(value) and value.numel() == 1:
@@ -221,7 +225,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         metrics.update(ddp_consistency(trainer, model))
     if cfg.get("test", True):
         # every rank tests its shard of the test set; the metrics are reduced across ranks (torchmetrics)
+        t_test, c_test = time.perf_counter(), time.process_time()
         trainer.test(model, datamodule=datamodule, ckpt_path=best or None, weights_only=True)
+        metrics["time/test_s"] = time.perf_counter() - t_test  # the test phase's wall time (eval preset's cost)
+        metrics["time/test_cpu_s"] = time.process_time() - c_test
+        log.info("test phase (eval=%s): %.1f s wall / %.1f s CPU, after fit %.1f s wall / %.1f s CPU",
+                 eval_record["eval/preset"], metrics["time/test_s"], metrics["time/test_cpu_s"],
+                 metrics["time/fit_s"], metrics["time/fit_cpu_s"])
         metrics.update(model.test_results)
         metrics.update(eval_record)  # the preset and the sample counts behind the test figures
         metrics["tested_checkpoint"] = best or "final weights"

@@ -123,3 +123,15 @@ def test_command_line_run_states_its_preset(tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["eval/model.evaluation.ll_samples"] == 200000  # given on the command line: above quick's cap
     assert saved["eval/model.metrics.exact_sm.test_points"] == 256
+
+
+def test_exact_sm_backward_budget_sizes_points_by_dimension():
+    from src.metrics.evaluation import ExactSMLoss
+
+    m = ExactSMLoss(val_points=32, test_points=256, backward_budget=4096)
+    assert (m.points("val", 784), m.points("test", 784)) == (5, 5)       # NICE on MNIST: 4096 // 784
+    assert (m.points("val", 11), m.points("test", 11)) == (32, 256)      # DKEF on RedWine: the point caps
+    assert ExactSMLoss(backward_budget=10).points("test", 784) == 1      # never zero points
+    assert ExactSMLoss().points("test", 784) is None                     # no cap at all
+    with pytest.raises(ValueError, match=r"^model.metrics.exact_sm.backward_budget=0: give >= 1, or null$"):
+        ExactSMLoss(backward_budget=0)

@@ -4,6 +4,7 @@ the run's progress bar, and nothing is shown with trainer.enable_progress_bar=fa
 from __future__ import annotations
 
 import io
+import logging
 
 import lightning.pytorch as L
 import pytest
@@ -71,8 +72,9 @@ def test_ais_reports_every_annealing_step(shared_data, advances):
     assert "AIS" in description and total == done == 7
 
 
-def test_phase_joins_a_live_rich_progress_bar_and_leaves_it():
+def test_phase_joins_a_live_rich_progress_bar_and_leaves_it(monkeypatch):
     """Inside Lightning's live Rich bar the phase is one more task, removed at its end."""
+    monkeypatch.setattr(progress, "_interactive", lambda: True)  # a terminal
     bar = RichProgressBar()
     bar.progress = CustomProgress(console=Console(file=io.StringIO(), force_terminal=True))
     bar.progress.start()
@@ -93,7 +95,20 @@ def test_phase_joins_a_live_rich_progress_bar_and_leaves_it():
         bar.progress.stop()
 
 
-def test_phase_is_silent_without_a_trainer_or_on_other_ranks(capsys):
+def test_phase_logs_tenths_when_stderr_is_a_file(caplog):
+    """In a log file (nohup, CI) a bar prints nothing useful: start, each tenth with the time left, end."""
+    with caplog.at_level(logging.INFO, logger="src.progress"), \
+            progress.phase(None, "AIS", total=40, force=True) as advance:
+        for _ in range(40):
+            advance(1)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0] == "AIS: started (40 in all)" and lines[-1].startswith("AIS: done (40) in ")
+    assert [line.split(":")[1].split("%")[0].strip() for line in lines[1:-1]] == [str(10 * k) for k in range(1, 10)]
+    assert all("s left" in line for line in lines[1:-1])
+
+
+def test_phase_is_silent_without_a_trainer_or_on_other_ranks(capsys, monkeypatch):
+    monkeypatch.setattr(progress, "_interactive", lambda: True)
     class Rank1:
         progress_bar_callback = object()
         is_global_zero = False

@@ -130,8 +130,11 @@ class ExactSMLoss(EvalMetric):
     """Exact SM loss (eq. 1) per sample, ½‖s‖² + tr ∇ₓs, averaged, **not** divided by D — the common yardstick.
 
     ``val_points``: at most this many points of each validation batch; ``test_points``: at most this many
-    test points in all (per rank); ``<stage>/sm_loss_n_points`` records how many were used. The test points
-    show as a progress task (:mod:`src.progress`). Refuses D > ``max_dim`` (3072-d CIFAR-10 would cost 3072 backward passes
+    test points in all (per rank); ``backward_budget``: at most this many backward passes (points × D) per
+    validation batch and on the whole test set — the point caps become ⌊budget / D⌋ (at least 1) where that is
+    fewer, so one setting sizes the cost for any D (the quick evaluation preset uses it: at D = 784 a NICE point
+    costs 784 backward passes through every coupling). ``<stage>/sm_loss_n_points`` records how many points
+    were used. The test points show as a progress task (:mod:`src.progress`). Refuses D > ``max_dim`` (3072-d CIFAR-10 would cost 3072 backward passes
     per batch): use a sliced or denoising test loss there, or raise ``max_dim`` knowingly.
     """
 
@@ -140,10 +143,13 @@ class ExactSMLoss(EvalMetric):
     PROGRESS_CHUNK = 16  # test points per progress update
 
     def __init__(self, val_points: int | None = None, test_points: int | None = None,
-                 max_dim: int = EXACT_SM_MAX_DIM):
+                 max_dim: int = EXACT_SM_MAX_DIM, backward_budget: int | None = None):
         super().__init__()
         self.val_points = None if val_points is None else int(val_points)
         self.test_points = None if test_points is None else int(test_points)
+        self.backward_budget = None if backward_budget is None else int(backward_budget)
+        if self.backward_budget is not None and self.backward_budget < 1:
+            raise ValueError(f"model.metrics.exact_sm.backward_budget={backward_budget}: give >= 1, or null")
         self.max_dim = int(max_dim)
         self.val = _MeanAndStderr()
         self.test = _MeanAndStderr()
@@ -158,19 +164,24 @@ class ExactSMLoss(EvalMetric):
                 "denoising test losses (model.metrics.noise_conditional), or raise model.metrics.exact_sm.max_dim"
             )
 
+    def points(self, stage: str, d: int) -> int | None:
+        """The point cap of ``stage`` at data dimension ``d`` (``*_points`` and ``backward_budget``; None: all)."""
+        cap = self.val_points if stage == "val" else self.test_points
+        if self.backward_budget is not None:
+            cap = _cap(max(1, self.backward_budget // d), cap)
+        return cap
+
     def update(self, module, x, stage):
         acc = self.val if stage == "val" else self.test
-        if stage == "val":
-            if self.val_points is not None:
-                x = x[: self.val_points]
-        elif self.test_points is not None:
-            x = x[: max(0, self.test_points - acc.local_count)]
+        cap = self.points(stage, x[0].numel())
+        if cap is not None:
+            x = x[: cap if stage == "val" else max(0, cap - acc.local_count)]
         if x.shape[0] == 0:
             return
         if stage == "test":
             if self._progress is None:  # one task over the whole test set (D backward passes per point)
                 self._progress = progress.Phase(module, f"exact SM loss (test points, D={x[0].numel()})",
-                                                _cap(self.test_points, test_points_available(module)))
+                                                _cap(cap, test_points_available(module)))
             chunks = x.split(self.PROGRESS_CHUNK)  # per-point values: chunking changes no number
         else:
             chunks = (x,)
