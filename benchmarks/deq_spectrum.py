@@ -32,7 +32,9 @@ def run_dir_spectra(run: Path) -> dict:
     ckpt = Path(metrics.get("tested_checkpoint") or run / "checkpoints" / "last.ckpt")
     if not ckpt.is_absolute() and not ckpt.exists():
         ckpt = run / "checkpoints" / ckpt.name
-    state = torch.load(ckpt, map_location="cpu", weights_only=False)
+    from src.checkpoints import load_checked
+
+    state = load_checked(ckpt)  # weights-only (src.checkpoints)
     lam = float(state["hyper_parameters"]["deq"].get("norm_lambda", 2.0))
     out = {}
     for key, value in state["state_dict"].items():

@@ -122,9 +122,9 @@ def eval_overrides(grid_name: str, args) -> list[str]:
 
 
 def checkpoint_facts(path: Path) -> dict:
-    import torch
+    from src.checkpoints import load_checked
 
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    ckpt = load_checked(path)  # weights-only (src.checkpoints)
     wall = None
     for key, state in (ckpt.get("callbacks") or {}).items():
         if "ProfilingCallback" in str(key) and isinstance(state, dict):

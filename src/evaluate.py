@@ -1,14 +1,17 @@
 """Recompute the test metrics of a finished run from a checkpoint.
 
-    python -m src.evaluate ckpt_path=outputs/train/runs/<time>/checkpoints/last.ckpt
+    python -m src.evaluate ckpt_path=outputs/train/runs/<time>/checkpoints/last.ckpt [trust_checkpoint=true]
 
 The run's composed config is read from ``<run dir>/.hydra/config.yaml`` (the checkpoint's run directory);
 any further ``key=value`` arguments override it (e.g. ``data.root=...``). The metrics are printed and
-written to ``<run dir>/eval_metrics.json`` (the run's own metrics.json is never touched).
+written to ``<run dir>/eval_metrics.json`` (the run's own metrics.json is never touched). The checkpoint loads
+weights-only (:mod:`src.checkpoints`); ``trust_checkpoint=true`` loads one holding other pickled objects (only
+a file you trust). A checkpoint of another family or other sizes is refused in one line naming both.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -17,8 +20,10 @@ import lightning.pytorch as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoints import AtomicCheckpointIO, check_checkpoint_file
+from src.checkpoints import AtomicCheckpointIO, check_checkpoint_file, check_matches_model
 from src.train import _print_metrics, set_float_environment, write_json_atomic
+
+_OWN_KEYS = ("ckpt_path", "trust_checkpoint")
 
 
 def find_run_config(ckpt: Path) -> Path:
@@ -42,11 +47,21 @@ def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None)
     # paths.output_dir holds a ${hydra:...} interpolation when composed by Hydra: pin it to the run dir
     cfg.paths.output_dir = str(run_dir)
     if overrides:
-        cfg = OmegaConf.merge(cfg, OmegaConf.from_dotlist(overrides))
+        extra = OmegaConf.from_dotlist(overrides)
+        for key in extra:
+            if isinstance(cfg.get(key), DictConfig) and not isinstance(extra[key], DictConfig):
+                family = cfg[key].get("_target_", "") if key == "model" else ""
+                raise ValueError(  # noqa: TRY004  a bad command-line value
+                    f"{key}={extra[key]} would replace the run's whole {key} config with a string: the checkpoint "
+                    f"is evaluated with the config it was trained with{f' ({family})' if family else ''}; "
+                    f"override single keys instead (e.g. {key}.<name>=<value>)")
+        cfg = OmegaConf.merge(cfg, extra)
     return ckpt, cfg, run_dir
 
 
-def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[str, Any]:
+def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None, trust: bool = False) -> dict[str, Any]:
+    """Test metrics of ``ckpt_path`` (its run's config, ``overrides`` merged); ``trust``: load a checkpoint
+    holding pickled objects other than tensors and plain values (module docstring)."""
     ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides)  # content checked once, as Lightning loads it
     set_float_environment(cfg)
     L.seed_everything(cfg.seed, workers=True)
@@ -60,9 +75,9 @@ def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[
         # own test, and not the whole test set at 10 noise levels x (DSM + SSM-VR) each
         limit_test_batches=1.0 if test_share is None else test_share,
         enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(run_dir),
-        plugins=[AtomicCheckpointIO()],
+        plugins=[AtomicCheckpointIO(validators=[functools.partial(check_matches_model, model=model)], trust=trust)],
     )
-    trainer.test(model, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=False, verbose=False)
+    trainer.test(model, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=not trust, verbose=False)
     metrics = dict(model.test_results)
     metrics["precision"] = str(trainer.precision)
     metrics["checkpoint"] = str(ckpt)
@@ -73,10 +88,19 @@ def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None) -> dict[
 
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ckpt = [a.split("=", 1)[1] for a in argv if a.startswith("ckpt_path=")]
-    if not ckpt:
-        raise SystemExit("usage: python -m src.evaluate ckpt_path=<run dir>/checkpoints/last.ckpt [key=value ...]")
-    evaluate(ckpt[0], [a for a in argv if not a.startswith("ckpt_path=")])
+    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in _OWN_KEYS and "=" in a}
+    if "ckpt_path" not in own:
+        raise SystemExit("usage: python -m src.evaluate ckpt_path=<run dir>/checkpoints/last.ckpt "
+                         "[trust_checkpoint=true] [key=value ...]")
+    evaluate(own["ckpt_path"], [a for a in argv if a.split("=", 1)[0] not in _OWN_KEYS],
+             trust=parse_trust(own.get("trust_checkpoint", "false")))
+
+
+def parse_trust(value: str) -> bool:
+    """``trust_checkpoint=true|false`` of the command line."""
+    if str(value).lower() not in ("true", "false"):
+        raise SystemExit(f"trust_checkpoint={value}: true or false")
+    return str(value).lower() == "true"
 
 
 if __name__ == "__main__":

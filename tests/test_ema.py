@@ -67,7 +67,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 def test_ema_off_tests_the_trained_weights(tmp_path, one_thread):
     metrics, rec = run(["ema=false"], tmp_path)
-    ckpt = torch.load(metrics["tested_checkpoint"], map_location="cpu", weights_only=False)
+    ckpt = torch.load(metrics["tested_checkpoint"], map_location="cpu", weights_only=True)
     assert "current_model_state" not in ckpt and "averaging_state" not in ckpt
     best_step = ckpt["global_step"]
     assert sorted(rec.steps) == list(range(1, 13)) and best_step in (6, 12)
@@ -83,7 +83,7 @@ def test_ema_on_tests_the_average_of_the_steps(tmp_path, one_thread, checkpoints
         assert metrics["tested_checkpoint"] == "final weights"
         step = 12
     else:  # the best checkpoint (by the averaged weights' validation loss) is tested
-        ckpt = torch.load(metrics["tested_checkpoint"], map_location="cpu", weights_only=False)
+        ckpt = torch.load(metrics["tested_checkpoint"], map_location="cpu", weights_only=True)
         step = ckpt["global_step"]
         assert step in (6, 12)
         # the checkpoint: averaged weights in state_dict, trained ones beside them, and the averaging state
@@ -136,9 +136,9 @@ def test_resume_continues_the_average_exactly(tmp_path, one_thread):
     run(ema, tmp_path / "straight")
     run([*ema, "trainer.max_epochs=2"], tmp_path / "halves")
     half = tmp_path / "halves" / "checkpoints" / "last.ckpt"
-    assert torch.load(half, map_location="cpu", weights_only=False)["global_step"] == 12
+    assert torch.load(half, map_location="cpu", weights_only=True)["global_step"] == 12
     run([*ema, f"ckpt_path={half}"], tmp_path / "halves")
-    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
             for d in ("straight", "halves"))
     assert a["global_step"] == b["global_step"] == 24
     assert int(a["averaging_state"]["n_averaged"]) == int(b["averaging_state"]["n_averaged"]) == 24

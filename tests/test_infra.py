@@ -28,12 +28,12 @@ def run_train(overrides: list[str], run_dir: Path, timeout: int = 300, **popen) 
 
 
 def final_state(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)["state_dict"]
 
 
 def checkpoint_train_time(path: Path) -> float:
     """The profiling callback's summed training-step time saved in a checkpoint."""
-    states = torch.load(path, map_location="cpu", weights_only=False)["callbacks"]
+    states = torch.load(path, map_location="cpu", weights_only=True)["callbacks"]
     (value,) = [s["train_time_s"] for k, s in states.items() if "ProfilingCallback" in str(k)]
     return value
 
@@ -53,7 +53,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     while time.time() < deadline and proc.poll() is None:
         if ckpt.exists():
             try:
-                if torch.load(ckpt, map_location="cpu", weights_only=False)["epoch"] >= 1:
+                if torch.load(ckpt, map_location="cpu", weights_only=True)["epoch"] >= 1:
                     break
             except Exception:  # noqa: BLE001, S110  being written right now: try again
                 pass
@@ -61,7 +61,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     assert proc.poll() is None, "run finished before it could be killed: make it longer"
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    interrupted_epoch = torch.load(ckpt, map_location="cpu", weights_only=False)["epoch"]
+    interrupted_epoch = torch.load(ckpt, map_location="cpu", weights_only=True)["epoch"]
     assert interrupted_epoch < 3
     interrupted_time = checkpoint_train_time(ckpt)
     assert interrupted_time > 0

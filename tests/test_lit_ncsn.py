@@ -168,7 +168,7 @@ def test_resume_with_ema_matches_an_uninterrupted_run(tmp_path, shared_data):
             "trainer.limit_val_batches=1", "test=false"]
 
     def last(run_dir):
-        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+        return torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
 
     train(compose_train([*base, "trainer.max_epochs=2"], tmp_path / "straight"))
     train(compose_train([*base, "trainer.max_epochs=1"], tmp_path / "halves"))

@@ -68,10 +68,10 @@ def test_training_lowers_the_losses_and_resume_is_exact(tmp_path, shared_data):
     full = run([*base, "trainer.max_epochs=4"], tmp_path / "full")
     run([*base, "trainer.max_epochs=2"], tmp_path / "halves")
     half = tmp_path / "halves" / "checkpoints" / "last.ckpt"
-    ck = torch.load(half, map_location="cpu", weights_only=False)
+    ck = torch.load(half, map_location="cpu", weights_only=True)
     assert len(ck["optimizer_states"]) == 2
     resumed = run([*base, "trainer.max_epochs=4", f"ckpt_path={half}"], tmp_path / "halves")
-    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    a, b = (torch.load(tmp_path / d / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
             for d in ("full", "halves"))
     assert a["global_step"] == b["global_step"] > 0
     for k in a["state_dict"]:

@@ -27,6 +27,9 @@ Adjustments made here:
 3. The averaged model follows the trained model onto its device at ``on_fit_start`` (Lightning builds it in
    ``setup``, before the strategy moves the model to the GPU, which would keep it on the CPU and copy every
    parameter to the host after each step), unless ``device`` is given.
+4. ... and into its dtype: built in ``setup``, before the precision plugin converts the model, the average of a
+   ``trainer.precision=64-true`` run would otherwise stay float32 (rounding every update and every resumed
+   average); on resume it is converted before the checkpoint's averages are loaded into it.
 
 The DEQ blocks' warm-start caches are not parameters or buffers: they are neither averaged nor swapped. During
 validation the model solves its fixed points from the cache of the trained weights (a starting guess only).
@@ -58,17 +61,21 @@ class EMA(EMAWeightAveraging):
         self.decay = float(decay)
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._device is None and self._average_model is not None:
-            self._average_model.to(pl_module.device)
+        if self._average_model is not None:  # the model's dtype (adjustment 4); its device unless one is given
+            self._average_model.to(dtype=pl_module.dtype)
+            if self._device is None:
+                self._average_model.to(pl_module.device)
 
     def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
                            checkpoint: dict[str, Any]) -> None:
         if trainer.state.fn != TrainerFn.FITTING:
             return  # the state_dict Lightning loaded already holds the averaged weights: keep them
+        if self._average_model is not None:  # float64 averages must not pass through float32 (adjustment 4)
+            trainer.precision_plugin.convert_module(self._average_model)
         super().on_load_checkpoint(trainer, pl_module, checkpoint)
 
 
-def check_resume(checkpoint: dict[str, Any], callbacks: list) -> None:
+def check_resume(checkpoint: dict[str, Any], callbacks: list, path: Any = None) -> None:
     """Refuse to resume a checkpoint written with EMA in a run without it: its ``state_dict`` holds the averaged
     weights, so training would go on from the average instead of from the trained weights."""
     has_ema = any(isinstance(cb, WeightAveraging) for cb in callbacks)

@@ -5,7 +5,8 @@ in memory as float32 tensors ``train_data``, ``val_data``, ``test_data`` [N, D] 
 :meth:`setup`; ``split_tensor(split, n)`` gives their first ``n`` rows) and give batches as plain tensors
 [B, D]. The Gaussian also offers its ground truth (``has_ground_truth``: ``true_log_density``,
 ``true_score``, in the dtype and device of their argument). The training loader reshuffles
-every epoch (``drop_last=False``); the val/test loaders keep the order. :meth:`setup` is idempotent: the
+every epoch (``drop_last=False``) in a seeded order and resumes mid-epoch (:mod:`src.data.resumable`); the
+val/test loaders keep the order. :meth:`setup` is idempotent: the
 data are built once per module and never re-randomised.
 """
 
@@ -20,6 +21,7 @@ from torch.utils.data import DataLoader, Dataset
 from src.data import gaussian
 from src.data.contract import ScoreDataModule
 from src.data.preprocessing import SPLITS, WHITEN_ON, PreprocessedSplits, Whitening, preprocess
+from src.data.resumable import ResumableLoader, ResumableSampler, eval_generator
 from src.data.uci import DATASETS, get_dataset, locate_uci
 
 log = logging.getLogger(__name__)
@@ -45,7 +47,7 @@ def _stack(batch) -> torch.Tensor:
     return batch if torch.is_tensor(batch) else torch.stack(list(batch))
 
 
-def _positive_int(label: str, value) -> int:
+def positive_int(label: str, value) -> int:
     if isinstance(value, bool) or int(value) != value or int(value) < 1:
         raise ValueError(f"{label}={value!r} is invalid: it must be an integer >= 1")
     return int(value)
@@ -54,8 +56,8 @@ def _positive_int(label: str, value) -> int:
 class _InMemoryDataModule(ScoreDataModule):
     def __init__(self, batch_size: int, eval_batch_size: int, num_workers: int):
         super().__init__()
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.eval_batch_size = _positive_int("eval_batch_size", eval_batch_size)
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.eval_batch_size = positive_int("eval_batch_size", eval_batch_size)
         if int(num_workers) < 0:
             raise ValueError(f"num_workers={num_workers!r} is invalid: it must be >= 0")
         self.num_workers = int(num_workers)
@@ -71,27 +73,23 @@ class _InMemoryDataModule(ScoreDataModule):
             raise RuntimeError(f"{type(self).__name__}: the dimension is known after setup() (or pass dim=)")
         return (int(self.dim),)
 
-    def _loader(self, data: torch.Tensor | None, batch_size: int, shuffle: bool) -> DataLoader:
+    def _loader(self, data: torch.Tensor | None, batch_size: int, train: bool) -> DataLoader:
         if data is None:
             raise RuntimeError(f"{type(self).__name__}: call setup() before asking for a dataloader")
-        return DataLoader(
-            RowDataset(data),
-            batch_size=batch_size,
-            shuffle=shuffle,
-            drop_last=False,
-            num_workers=self.num_workers,
-            persistent_workers=self.num_workers > 0,
-            collate_fn=_stack,
-        )
+        options = {"batch_size": batch_size, "drop_last": False, "num_workers": self.num_workers,
+                   "persistent_workers": self.num_workers > 0, "collate_fn": _stack}
+        if train:  # resumable, seeded order (src.data.resumable)
+            return ResumableLoader(RowDataset(data), ResumableSampler(data.shape[0], shuffle=True), **options)
+        return DataLoader(RowDataset(data), shuffle=False, generator=eval_generator(), **options)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_data, self.batch_size, shuffle=True)
+        return self._loader(self.train_data, self.batch_size, train=True)
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_data, self.eval_batch_size, shuffle=False)
+        return self._loader(self.val_data, self.eval_batch_size, train=False)
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_data, self.eval_batch_size, shuffle=False)
+        return self._loader(self.test_data, self.eval_batch_size, train=False)
 
 
 class UCIDataModule(_InMemoryDataModule):
@@ -201,9 +199,9 @@ class GaussianDataModule(_InMemoryDataModule):
     ):
         super().__init__(batch_size, eval_batch_size, num_workers)
         self.dim = gaussian._check_dim(dim)
-        self.n_train = _positive_int("n_train", n_train)
-        self.n_val = _positive_int("n_val", n_val)
-        self.n_test = _positive_int("n_test", n_test)
+        self.n_train = positive_int("n_train", n_train)
+        self.n_val = positive_int("n_val", n_val)
+        self.n_test = positive_int("n_test", n_test)
         self.seed = int(seed)
 
     has_ground_truth = True

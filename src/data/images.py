@@ -14,8 +14,10 @@ Pixels (bytes v ∈ {0, …, 255}; all maps per entry)
     :meth:`ImageDataModule.to_pixels` maps model-space images back to [0, 1] (clamped).
 
 Randomness
-    Training batches draw fresh noise, binarisation and flips from the process's global torch RNG (seeded
-    by Lightning's ``seed_everything``; DataLoader workers get their own seeds). The validation and test
+    Training batches draw fresh noise, binarisation and flips per image from a generator seeded by the run's
+    seed and the image's key in the resumable training loader (epoch, position, index: see
+    :mod:`src.data.resumable`), never from the global RNG: the same data whatever the number of workers, and a
+    run interrupted mid-epoch resumes on the very batches it would have seen. The validation and test
     loaders and :meth:`ImageDataModule.split_tensor` never flip, and draw the noise of the k-th image of a
     split from a generator seeded by (``seed``, split, k): every evaluation sees the same tensors, whatever
     the batch size, the number of workers or ``n``.
@@ -42,7 +44,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from src.data.contract import SPLITS, ScoreDataModule, check_split
-from src.data.datamodules import _positive_int
+from src.data.datamodules import positive_int
+from src.data.resumable import KeyedItems, ResumableLoader, ResumableSampler, eval_generator, item_generator
 
 PIXEL_RANGES = ("unit", "symmetric")
 _SPLIT_CODES = {"train": 1, "val": 2, "test": 3}
@@ -86,11 +89,16 @@ class PixelTransform:
             return (x + torch.rand(x.shape, generator=generator)) / 256.0
         return x / 255.0
 
-    def train(self, v: torch.Tensor) -> torch.Tensor:
-        """A training batch: fresh noise / binarisation and random flips from the global torch RNG."""
-        x = self._unit(v, None)
-        if self.flip:
-            mirror = torch.rand(x.shape[0]) < 0.5
+    def train(self, v: torch.Tensor, generators: Sequence[torch.Generator] | None = None) -> torch.Tensor:
+        """A training batch: fresh noise / binarisation, then a random flip, of image i from ``generators[i]``
+        (the resumable loader's counter-based ones), or from the global torch RNG when None."""
+        if generators is None:
+            x = self._unit(v, None)
+            mirror = torch.rand(x.shape[0]) < 0.5 if self.flip else None
+        else:
+            x = torch.stack([self._unit(img, g) for img, g in zip(v, generators)]) if len(v) else v.float()
+            mirror = torch.cat([torch.rand(1, generator=g) for g in generators]) < 0.5 if self.flip else None
+        if mirror is not None:
             x = torch.where(mirror[:, None, None, None], x.flip(-1), x)
         return from_unit(x, self.pixel_range)
 
@@ -164,12 +172,19 @@ def _stack_images(batch) -> torch.Tensor:
 
 
 class TrainCollate:
-    """Collate of the training loader: uint8 batch → fresh-noise, flipped model-space images."""
+    """Collate of the training loader: ``(uint8 batch, keys)`` → fresh-noise, flipped model-space images, image
+    i's randomness from :func:`src.data.resumable.item_generator` (``seed``, key i). A plain uint8 batch
+    (without keys) draws from the global torch RNG."""
 
-    def __init__(self, transform: PixelTransform):
+    def __init__(self, transform: PixelTransform, seed: int = 0):
         self.transform = transform
+        self.seed = int(seed)
 
     def __call__(self, batch) -> torch.Tensor:
+        if isinstance(batch, tuple) and len(batch) == 2 and torch.is_tensor(batch[1]):
+            images, keys = batch
+            return self.transform.train(_stack_images(images),
+                                        [item_generator(self.seed, int(k)) for k in keys.tolist()])
         return self.transform.train(_stack_images(batch))
 
 
@@ -278,8 +293,8 @@ class ImageDataModule(ScoreDataModule):
     ):
         super().__init__()
         self.root = Path(root).expanduser()
-        self.batch_size = _positive_int("batch_size", batch_size)
-        self.eval_batch_size = _positive_int("eval_batch_size", eval_batch_size)
+        self.batch_size = positive_int("batch_size", batch_size)
+        self.eval_batch_size = positive_int("eval_batch_size", eval_batch_size)
         if isinstance(num_workers, bool) or int(num_workers) < 0:
             raise ValueError(f"num_workers={num_workers!r} is invalid: it must be >= 0")
         self.num_workers = int(num_workers)
@@ -289,7 +304,7 @@ class ImageDataModule(ScoreDataModule):
         self.val_fraction = float(val_fraction)
         if self.split == "official" and not 0.0 < self.val_fraction < 1.0:
             raise ValueError(f"val_fraction={val_fraction} is invalid: it must be in (0, 1)")
-        self.limit = None if limit is None else _positive_int("limit", limit)
+        self.limit = None if limit is None else positive_int("limit", limit)
         self.transform = PixelTransform(bool(dequantize), bool(binarize), check_pixel_range(pixel_range),
                                         self.default_flip if flip is None else bool(flip))
         self._check_declared_shape(dim, shape)
@@ -357,17 +372,20 @@ class ImageDataModule(ScoreDataModule):
 
     def train_dataloader(self) -> DataLoader:
         idx = self._indices("train")
-        return DataLoader(
-            SplitImages(self.source, idx), batch_size=self.batch_size, shuffle=True,
+        sampler = ResumableSampler(idx.numel(), shuffle=True, keyed=True)  # resumable, counter-based noise
+        return ResumableLoader(
+            KeyedItems(SplitImages(self.source, idx)), sampler=sampler, batch_size=self.batch_size,
             # equal-sized steps, unless that would leave no batch
-            drop_last=idx.numel() >= self.batch_size, collate_fn=TrainCollate(self.transform), **self._workers(),
+            drop_last=idx.numel() >= self.batch_size, collate_fn=TrainCollate(self.transform, sampler.seed),
+            **self._workers(),
         )
 
     def _eval_loader(self, split: str, idx: torch.Tensor | None = None, persistent: bool = True) -> DataLoader:
         idx = self._indices(split) if idx is None else idx
         return DataLoader(
             SplitImages(self.source, idx, positions=True), batch_size=self.eval_batch_size, shuffle=False,
-            collate_fn=EvalCollate(self.transform, self.seed, split), **self._workers(persistent),
+            collate_fn=EvalCollate(self.transform, self.seed, split), generator=eval_generator(),
+            **self._workers(persistent),
         )
 
     def val_dataloader(self) -> DataLoader:

@@ -55,6 +55,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from src.data.contract import ScoreDataModule, check_split
 from src.data.download import RemoteFile, ensure_file
+from src.data.resumable import KeyedItems, ResumableLoader, ResumableSampler, eval_generator, item_generator
 
 # ---------------------------------------------------------------------------------------------- files
 FILES = {
@@ -256,19 +257,26 @@ class _Rows(Dataset):
 
 
 class DequantizeLogit:
-    """Collate for training: stack uint8 rows, add fresh uniform noise, squash, logit → float32 [B, 784].
+    """Collate for training: uint8 rows, fresh uniform noise, squash, logit → float32 [B, 784].
 
-    Picklable (DataLoader workers, DDP). Noise comes from the process's global torch RNG (seeded by
-    ``seed_everything``; DataLoader workers get their own per-worker seeds).
+    Picklable (DataLoader workers, DDP). A batch ``(rows, keys)`` of the resumable loader draws row i's noise
+    from :func:`src.data.resumable.item_generator` (``seed``, key i): the same noise whatever the workers,
+    the global RNG or an interruption. Plain rows (a list or a tensor) draw from the global torch RNG.
     """
 
-    def __init__(self, dequantize: bool = True, eps: float = 1e-3, squash: str = "affine"):
+    def __init__(self, dequantize: bool = True, eps: float = 1e-3, squash: str = "affine", seed: int = 0):
         _check_squash(squash, eps)
         self.dequantize = bool(dequantize)
         self.eps = float(eps)
         self.squash = squash
+        self.seed = int(seed)
 
-    def __call__(self, rows: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, rows) -> torch.Tensor:
+        if isinstance(rows, tuple) and len(rows) == 2 and torch.is_tensor(rows[1]):
+            v, keys = rows
+            x = torch.stack([dequantize(r, generator=item_generator(self.seed, int(k)), noise=self.dequantize)
+                             for r, k in zip(v, keys.tolist())]) if len(v) else v.float()
+            return to_logit(x, self.eps, self.squash)
         v = torch.stack(rows) if isinstance(rows, (list, tuple)) else rows
         return to_logit(dequantize(v, noise=self.dequantize), self.eps, self.squash)
 
@@ -286,7 +294,8 @@ class MNISTDataModule(ScoreDataModule):
     - ``limit``: keep only the first ``limit`` images of the seeded permutation, then split (quick runs;
       with ``split="reference"``: ``limit // 10`` t10k images for test, the rest from the training file).
     - Training batches (shuffled; the last incomplete one dropped) get fresh dequantisation noise each time
-      (in the collate, from the global torch RNG); the validation and test
+      (in the collate, counter-based: seeded by the run's seed and the item's key, so a run resumes on the
+      same noise, :mod:`src.data.resumable`); the validation and test
       sets are dequantised once with a noise seeded from ``seed``, so evaluation is deterministic.
     - ``train_data`` / ``val_data`` / ``test_data``: the whole splits as float32 ``[N, 784]`` logit tensors
       with that fixed noise (computed on first use); ``*_bytes``: the uint8 ``[N, 784]`` pixels;
@@ -431,17 +440,19 @@ class MNISTDataModule(ScoreDataModule):
 
     # ------------------------------------------------------------------ loaders
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(
+        sampler = ResumableSampler(self.train_bytes.shape[0], shuffle=True, keyed=True)
+        return ResumableLoader(
             # equal-sized steps (memory and time per step comparable), unless that would leave no batch
-            _Rows(self.train_bytes), batch_size=self.batch_size, shuffle=True,
+            KeyedItems(_Rows(self.train_bytes)), sampler=sampler, batch_size=self.batch_size,
             drop_last=self.train_bytes.shape[0] >= self.batch_size,
-            collate_fn=DequantizeLogit(self.dequantize, self.logit_eps, self.squash),
+            collate_fn=DequantizeLogit(self.dequantize, self.logit_eps, self.squash, seed=sampler.seed),
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )
 
     def _eval_loader(self, name: str) -> DataLoader:
         return DataLoader(_Rows(self.fixed_logit(name)), batch_size=self.eval_batch_size, shuffle=False,
-                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0)
+                          num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
+                          generator=eval_generator())
 
     def val_dataloader(self) -> DataLoader:
         return self._eval_loader("val")

@@ -14,6 +14,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from src.data.contract import ScoreDataModule, check_split
+from src.data.resumable import ResumableLoader, ResumableSampler, eval_generator
 from src.studies.tasks import TASKS
 
 
@@ -74,13 +75,17 @@ class SupervisedDataModule(ScoreDataModule):
     def train_dataloader(self) -> DataLoader:
         self.setup()
         x, y = self._splits["train"]
+        # resumable mid-epoch, in a seeded order (src.data.resumable)
         if self.full_batch:
-            return DataLoader(_Repeat(x, y, self.steps_per_epoch), batch_size=None, shuffle=False)
-        return DataLoader(TensorDataset(x, y), batch_size=self.batch_size, shuffle=True)
+            return ResumableLoader(_Repeat(x, y, self.steps_per_epoch),
+                                   ResumableSampler(self.steps_per_epoch, shuffle=False), batch_size=None)
+        return ResumableLoader(TensorDataset(x, y), ResumableSampler(x.shape[0], shuffle=True),
+                               batch_size=self.batch_size)
 
     def _eval(self, split):
         self.setup()
-        return DataLoader(TensorDataset(*self._splits[split]), batch_size=self.eval_batch_size, shuffle=False)
+        return DataLoader(TensorDataset(*self._splits[split]), batch_size=self.eval_batch_size, shuffle=False,
+                          generator=eval_generator())
 
     def val_dataloader(self) -> DataLoader:
         return self._eval("val")

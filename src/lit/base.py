@@ -44,6 +44,7 @@ import lightning.pytorch as L
 import numpy as np
 import torch
 
+from src.checkpoints import NonFiniteCheckpointError, newest_checkpoint, nonfinite_entries
 from src.configs import plain as as_plain
 from src.data.contract import ScoreDataModule, require_contract
 from src.deq.block import PHANTOM_TRUNCATION_WARN, DEQBlock, phantom_truncation
@@ -62,15 +63,26 @@ class NonFiniteLossError(FloatingPointError):
 
 
 def capture_rng_states() -> dict:
-    states = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """The process's Python, numpy, torch (and CUDA) RNG states as tensors and plain Python values, so that a
+    checkpoint holding them loads with ``weights_only=True`` (src.checkpoints)."""
+    name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    states = {"python": random.getstate(),
+              "numpy": {"bit_generator": str(name), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                        "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+              "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
 
 def restore_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
-    np.random.set_state(states["numpy"])
+    """Restore :func:`capture_rng_states`'s states (also the numpy tuple older checkpoints hold)."""
+    random.setstate(tuple(tuple(s) if isinstance(s, list) else s for s in states["python"]))
+    state = states["numpy"]
+    if isinstance(state, dict):
+        state = (state["bit_generator"], np.asarray(state["key"], dtype=np.int64).astype(np.uint32), state["pos"],
+                 state["has_gauss"], state["cached_gaussian"])
+    np.random.set_state(state)
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
@@ -272,9 +284,9 @@ class DeqsmModule(L.LightningModule):
     def check_finite(self, loss: torch.Tensor, what: str = "training") -> None:
         if not torch.isfinite(loss):
             raise NonFiniteLossError(
-                f"non-finite {what} loss ({loss.item()}) at global step {self.global_step}. Checkpoints "
-                "written so far are kept. Try a smaller model.optimizer lr, a larger deq.norm_lambda, or "
-                "gradient clipping (trainer.gradient_clip_val)."
+                f"non-finite {what} loss ({loss.item()}) at global step {self.global_step}; {self._resume_hint()}. "
+                "Try a smaller model.optimizer lr, a larger deq.norm_lambda, or gradient clipping "
+                "(trainer.gradient_clip_val)."
             )
 
     # ------------------------------------------------------------------ evaluation
@@ -444,12 +456,53 @@ class DeqsmModule(L.LightningModule):
     def _deq_blocks(self):
         return [(name, m) for name, m in self.named_modules() if isinstance(m, DEQBlock)]
 
+    def configure_callbacks(self):
+        """:class:`~src.callbacks.rng.EvaluationRngGuard`: validation leaves the training RNG where it found it."""
+        from src.callbacks.rng import EvaluationRngGuard
+
+        return [EvaluationRngGuard()]
+
+    def _resume_hint(self) -> str:
+        """Where to resume from: the newest checkpoint of this run (every one on disk is finite)."""
+        trainer = getattr(self, "_trainer", None)
+        folders = [getattr(cb, "dirpath", None) for cb in (trainer.checkpoint_callbacks if trainer else [])]
+        newest = newest_checkpoint(folders)
+        if newest is None:
+            return "no checkpoint of this run was written yet"
+        return f"the newest finite checkpoint is {newest} (resume with ckpt_path={newest})"
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
-        """Also save RNG states and DEQ warm-start fixed points, so a resumed run continues exactly."""
+        """Also save RNG states and DEQ warm-start fixed points, so a resumed run continues exactly; refuse to
+        save non-finite parameters, optimiser, EMA or warm-start states (on every rank: DDP stops together)."""
+        checkpoint["deqsm_family"] = type(self).__name__  # named when a checkpoint is given to another family
         checkpoint["deqsm_rng_states"] = capture_rng_states()
         checkpoint["deqsm_warm_start"] = {name: m.warm_start_state() for name, m in self._deq_blocks()}
+        bad = nonfinite_entries(checkpoint)
+        if bad:
+            raise NonFiniteCheckpointError(
+                f"the state at global step {checkpoint.get('global_step', self.global_step)} is not finite "
+                f"({', '.join(bad[:3])}{' …' if len(bad) > 3 else ''}): no checkpoint written; "
+                f"{self._resume_hint()}. Try a smaller model.optimizer lr, a larger deq.norm_lambda, or gradient "
+                "clipping (trainer.gradient_clip_val)."
+            )
+
+    def on_train_start(self) -> None:
+        # The training loader's position (src.data.resumable) is restored by Lightning only when it builds the
+        # loader after loading the checkpoint; a scheduler sized by trainer.estimated_stepping_batches
+        # (scheduler: cosine) makes it build the loader earlier, in configure_optimizers, and the saved position
+        # was then never applied (measured: the resumed epoch restarted at its first batch). Apply it now,
+        # before the first batch is drawn (the resumable loader reads its position lazily).
+        fit_loop = self.trainer.fit_loop
+        if getattr(fit_loop, "_combined_loader_states_to_load", None):
+            fit_loop._load_combined_loader_states()
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        trainer = getattr(self, "_trainer", None)
+        if trainer is not None:
+            # Lightning loads the weights before its precision plugin converts the module (Trainer._run restores,
+            # then sets the strategy up): with trainer.precision=64-true the float64 weights would pass through
+            # float32 parameters and lose their low bits (measured: 1e-7 relative). Convert first (in place).
+            trainer.precision_plugin.convert_module(self)
         if "deqsm_rng_states" in checkpoint:
             restore_rng_states(checkpoint["deqsm_rng_states"])
         states = checkpoint.get("deqsm_warm_start", {})
