@@ -215,3 +215,60 @@ def test_training_curves_merge_joins_parts_of_one_protocol_and_refuses_others(tm
         curves.merge(paths, tmp_path / "out", "joined")
     with pytest.raises(SystemExit, match="more than one part"):
         curves.merge([paths[0], paths[0]], tmp_path / "out", "joined")
+
+
+def test_common_runs_a_modules_own_training_step_outside_a_trainer():
+    """``_common.training_step`` is the module's training step with its configured optimiser: the same update
+    as the module's objective, backward and that optimiser's step by hand; a manual-optimisation module (the
+    VAE) updates both its optimisers inside its own step."""
+    import _common
+    import torch
+
+    from src.lit.dkef import DKEFLitModule
+    from src.lit.vae import VAELitModule
+
+    x = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
+    modules = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        modules.append(DKEFLitModule(2, loss={"name": "sm"}, n_inducing=4, feature_dim=3, hidden=4, depth=1,
+                                     optimizer={"lr": 0.01}))
+    optimizers = _common.trainer_free(modules[0])
+    loss = _common.training_step(modules[0], x, optimizers)
+    opt = torch.optim.Adam(modules[1].parameters(), lr=0.01)
+    reference = modules[1].training_objective(x).loss
+    reference.backward()
+    opt.step()
+    assert loss.item() == pytest.approx(reference.item(), rel=1e-6)
+    for a, b in zip(modules[0].parameters(), modules[1].parameters()):
+        assert torch.allclose(a, b, atol=1e-7)
+
+    torch.manual_seed(0)
+    vae = VAELitModule((1, 4, 4), loss={"name": "ssm"}, depth=0, latent_dim=2, hidden=8, channels=4,
+                       optimizer={"score": {"params": ["score_net"], "lr": 0.01},
+                                  "vae": {"params": ["encoder", "decoder"], "lr": 0.01}})
+    before = {n: p.detach().clone() for n, p in vae.named_parameters()}
+    optimizers = _common.trainer_free(vae)
+    assert len(optimizers) == 2 and _common.training_step(vae, torch.rand(4, 1, 4, 4).round(), optimizers) is None
+    moved = {n.split(".")[0] for n, p in vae.named_parameters() if not torch.equal(p, before[n])}
+    assert moved == {"encoder", "decoder", "score_net"}
+
+
+def test_common_train_job_reuses_a_finished_run_and_reruns_on_request(tmp_path, monkeypatch):
+    import _common
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.json").write_text("{}")
+    assert _common.train_job(["bogus=1"], run) == {"ok": True, "reused": True, "wall_s": None}
+    calls = []
+    monkeypatch.setattr(_common, "run_module", lambda entry, args, env=None, capture=True: (
+        calls.append((entry, args)) or (1, "Could not find 'model/no_such_model'")))
+    failed = _common.train_job(["model=no_such_model"], run, rerun=True)
+    assert calls == [("src.train", ["model=no_such_model", f"hydra.run.dir={run}"])]
+    assert not failed["ok"] and not failed["reused"] and "no_such_model" in failed["error"]
+    assert not (run / "metrics.json").exists()  # --rerun removed the old result before running
+    monkeypatch.undo()
+    code, tail = _common.run_module("json.tool", ["--no-such-flag"])  # a real process, its stderr's tail
+    assert code == 2 and "--no-such-flag" in tail
+    assert _common.script_command("x.py", ["--ckpt", "a b=c"]) == "python benchmarks/x.py --ckpt 'a b=c'"
