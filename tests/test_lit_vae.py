@@ -48,9 +48,9 @@ def test_fast_dev_run_every_variant(tmp_path, shared_data, arch, deq, depth):
         assert "val/deq_contraction_rate" not in saved
 
 
-@pytest.mark.parametrize("loss", ["ssm_vr", "dsm"])
+@pytest.mark.parametrize("loss", ["ssm", "dsm"])
 def test_other_score_objectives_train_the_estimator(tmp_path, shared_data, loss):
-    """loss=ssm_vr | dsm train the score estimator in place of the paper's ssm (the reported test loss stays
+    """loss=ssm | dsm train the score estimator in place of the default ssm_vr (the reported test loss stays
     the SSM loss of eq. 3, so the runs are comparable)."""
     m = run([f"data.root={shared_data}", f"loss={loss}", "deq=true", "trainer.fast_dev_run=true",
              "model.metrics.log_likelihood=null", "model.metrics.fid=null"], tmp_path)
@@ -102,6 +102,29 @@ def test_image_experiments_compose_to_the_benchmarked_models(exp, shape):
         assert tuple(model.hparams.image_shape) == shape and isinstance(model.decoder.log_sigma, torch.nn.Parameter)
         counts.append(sum(p.numel() for p in model.parameters()))
     assert tuple(counts) == expected[exp]
+
+
+def test_vae_mnist_uses_the_reference_estimator_and_optimiser():
+    """experiment=vae_mnist trains as the SSM reference's MNIST VAE: the score estimator by SSM-VR with Gaussian
+    projections (sliced_score_estimation_vr), encoder/decoder and score estimator by RMSprop(params, lr=1e-3),
+    i.e. torch's defaults otherwise (alpha 0.99, eps 1e-8, no momentum, not centred, no weight decay)."""
+    from hydra.utils import instantiate
+
+    from src.objectives.ssm import ssm_vr
+
+    cfg = compose_train(["experiment=vae_mnist", "logger=none"])
+    assert cfg.loss.name == "ssm_vr" and cfg.loss.projection == "gaussian" and cfg.model.projection == "gaussian"
+    model = instantiate(cfg.model)
+    assert model.loss_name == "ssm_vr" and model.objective.func is ssm_vr
+    assert model.objective.keywords["projection"] == "gaussian"
+    assert model.objective.keywords.get("n_projections", 1) == 1
+    opts = model.configure_optimizers()
+    assert len(opts) == 2
+    for opt in opts:
+        assert type(opt) is torch.optim.RMSprop
+        group = opt.param_groups[0]
+        assert (group["lr"], group["alpha"], group["eps"], group["momentum"], group["centered"],
+                group["weight_decay"]) == (1e-3, 0.99, 1e-8, 0, False, 0)
 
 
 def test_negative_entropy_weight_is_refused():
