@@ -14,6 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
+import _common  # noqa: F401  (the repository on sys.path: src.checkpoints below)
 import torch
 
 

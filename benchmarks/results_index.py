@@ -24,6 +24,9 @@ INDEX = "README.md"
 
 # what each result shows, one line (the paper's table or the question it answers)
 SHOWS = {
+    "ais_bias": "AIS log p(x) against the exact one (quadrature over a 2-d latent) on a Bernoulli decoder: the "
+                "error in nats and how often the estimate lies above the truth, per step-size rule and number of "
+                "steps T.",
     "deq_solvers": "Forward solvers (Picard, Anderson, Broyden): iterations and time to tolerance, cold and "
                    "warm-started, on a trained DKEF block, a NICE-sized block and a slow rank-one block, at λ = 2 "
                    "and 1.1.",
@@ -66,6 +69,9 @@ SHOWS = {
                   "frequencies).",
     "vae_estimator_depth": "Does a deep MLP score estimator s(z|x) learn? Depth × learning rate on a known "
                            "conditional Gaussian score.",
+    "vae_estimator_variance": "SSM vs SSM-VR on the MNIST SSM-VAE's score estimator: spread of the batch loss and "
+                              "variance of the score net's gradient over projection draws, at initialisation and "
+                              "after training with each estimator.",
     "vae_memory": "Paper Table 1 at the CIFAR-10 and CelebA sizes: parameters, saved bytes and time of one SSM-VAE "
                   "training iteration, SSM VAE vs Aug(8), Aug(16), DEQ.",
     "vae_mnist_curves": "Paper Table 1 protocol on binarised MNIST, 12000 steps: FID, AIS log p(x), "

@@ -23,22 +23,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
-from pathlib import Path
 
 import lightning.pytorch as L
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
+from _common import ROOT, rendered, result_options
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
 from src.models.vae import ConditionalScore
 from src.objectives.ssm import ssm, ssm_vr
-from src.reporting import markdown_table, rerender, write_results
+from src.reporting import markdown_table, write_results
 from src.train import build
 
 ESTIMATORS = {"ssm": ssm, "ssm_vr": ssm_vr}
@@ -108,11 +103,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=100, help="training iterations (1 score + 1 VAE update each)")
     ap.add_argument("--draws", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    ap.add_argument("--render", action="store_true")
+    result_options(ap)
     args = ap.parse_args()
-    if args.render:
-        rerender(args.out, "vae_estimator_variance", render)
+    if rendered(args, "vae_estimator_variance", render):
         return
     torch.set_num_threads(1)
     root = [f"data.root={args.data_root}"] if args.data_root else []
