@@ -145,3 +145,26 @@ def test_sigkill_mid_epoch_then_resume_is_bit_equal(runs_root, family):
     ma, mb = (json.loads((d / "metrics.json").read_text()) for d in (full, killed))
     tests = {k: v for k, v in ma.items() if k.startswith("test/")}
     assert tests and tests == {k: v for k, v in mb.items() if k.startswith("test/")}
+
+
+
+def test_validation_leaves_the_training_rng_untouched(tmp_path, one_thread):
+    """A DEQ-NCSN validated after every epoch ends with the same weights and RNG state as one never validated:
+    validation (its loaders, the seeded contraction check through split_tensor, any metric's draws) leaves the
+    training RNG where it found it (src.callbacks.rng, the loaders' own generators)."""
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"verified data sets not found at {SHARED_DATA}")
+    from src.train import train
+    from tests.conftest import compose_train
+
+    base = ["logger=none", "callbacks=default", "callbacks.progress_bar=null", "trainer.enable_progress_bar=false",
+            "model=ncsn", "data=mnist_images", DATA, "data.limit=32", "data.batch_size=8", "data.eval_batch_size=8",
+            "model.ngf=4", "model.noise.num_classes=3", "model.metrics.fid=null", "model.n_samples_grid=0",
+            "deq=true", "loss=ssm_vr", "trainer.max_epochs=2", "test=false", "trainer.precision=64-true"]
+    validated = ["trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=1", "trainer.limit_val_batches=1"]
+    for name, val in (("validated", validated), ("never", ["trainer.limit_val_batches=0"])):
+        train(compose_train([*base, *val], tmp_path / name))
+    a, b = (load_checked(tmp_path / name / "checkpoints" / "last.ckpt") for name in ("validated", "never"))
+    assert a["global_step"] == b["global_step"] > 0
+    for key in ("state_dict", "deqsm_rng_states"):
+        assert_equal_tree(a[key], b[key], key)
