@@ -20,7 +20,13 @@ import lightning.pytorch as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.checkpoints import AtomicCheckpointIO, check_checkpoint_file, check_matches_model
+from src.checkpoints import (
+    TRUST_HINT,
+    AtomicCheckpointIO,
+    UnsafeCheckpointError,
+    check_checkpoint_file,
+    check_matches_model,
+)
 from src.train import _print_metrics, set_float_environment, write_json_atomic
 
 _OWN_KEYS = ("ckpt_path", "trust_checkpoint")
@@ -37,9 +43,34 @@ def find_run_config(ckpt: Path) -> Path:
     )
 
 
-def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None) -> tuple[Path, DictConfig, Path]:
-    """The checkpoint (its file checked), its run's composed config with ``overrides`` merged, and the run
-    directory (the parent of ``.hydra/``, whichever sub-folder of it holds the checkpoint)."""
+def check_targets(cfg: DictConfig, cfg_path: Path, trust: bool = False) -> None:
+    """A run's config is a file too: the ``_target_`` s under ``model`` and ``data`` (what src.evaluate and
+    src.sample instantiate) must be deqsm classes (``src.…``), unless the user trusts the run directory — a
+    shared run's config naming, say, ``shutil.rmtree`` would otherwise be called (Hydra blocks only
+    ``os.system``-like targets)."""
+    if trust:
+        return
+    for section in ("model", "data"):
+        node = OmegaConf.to_container(cfg.get(section) or {}, resolve=False)
+        stack = [(section, node)]
+        while stack:
+            where, value = stack.pop()
+            if isinstance(value, dict):
+                target = value.get("_target_")
+                if target is not None and not str(target).startswith("src."):
+                    raise UnsafeCheckpointError(
+                        f"run config {cfg_path} has {where}._target_={target}: src.evaluate and src.sample build only "
+                        f"deqsm classes (src.…) from a run's config; if you trust this run directory, add {TRUST_HINT}")
+                stack += [(f"{where}.{k}", v) for k, v in value.items()]
+            elif isinstance(value, list):
+                stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
+
+
+def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None,
+                      trust: bool = False) -> tuple[Path, DictConfig, Path]:
+    """The checkpoint (its file checked), its run's composed config with ``overrides`` merged (its targets
+    checked, :func:`check_targets`), and the run directory (the parent of ``.hydra/``, whichever sub-folder of it
+    holds the checkpoint)."""
     ckpt = check_checkpoint_file(ckpt_path)
     cfg_path = find_run_config(ckpt)
     cfg = OmegaConf.load(cfg_path)
@@ -56,13 +87,14 @@ def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None)
                     f"is evaluated with the config it was trained with{f' ({family})' if family else ''}; "
                     f"override single keys instead (e.g. {key}.<name>=<value>)")
         cfg = OmegaConf.merge(cfg, extra)
+    check_targets(cfg, cfg_path, trust)
     return ckpt, cfg, run_dir
 
 
 def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None, trust: bool = False) -> dict[str, Any]:
     """Test metrics of ``ckpt_path`` (its run's config, ``overrides`` merged); ``trust``: load a checkpoint
     holding pickled objects other than tensors and plain values (module docstring)."""
-    ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides)  # content checked once, as Lightning loads it
+    ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides, trust)  # content checked as Lightning loads it
     set_float_environment(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)

@@ -33,7 +33,7 @@ def load_module(ckpt_path: str | Path, overrides: list[str] | None = None, trust
     """The LightningModule of ``ckpt_path`` with its weights loaded (EMA-averaged for ``ema=true`` runs), in
     eval mode and the run's precision, with its data module set up for testing: ``(module, datamodule,
     config, run directory)``."""
-    ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides)
+    ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides, trust)
     set_float_environment(cfg)
     L.seed_everything(int(cfg.seed), workers=True)
     datamodule = instantiate(cfg.data)

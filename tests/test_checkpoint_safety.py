@@ -160,3 +160,25 @@ def test_checkpoint_of_another_family_or_shape_is_named(dkef_run, tmp_path):
         train(compose_train(["model=nice", "data=mnist", f"data.root={SHARED_DATA}", "model.hidden=8", "logger=none",
                              "callbacks=minimal", f"ckpt_path={last}", "data.limit=100", "trainer.max_epochs=1"],
                             tmp_path / "nice"))
+
+
+def test_run_config_may_only_build_deqsm_classes(dkef_run, tmp_path):
+    """src.evaluate / src.sample instantiate the model and data of the checkpoint's run config: a shared run
+    directory whose config names another callable is refused (unless trusted), before anything is built."""
+    import shutil
+
+    from src.evaluate import evaluate
+    from src.sample import sample_from_checkpoint
+
+    run = tmp_path / "shared_run"
+    shutil.copytree(dkef_run / ".hydra", run / ".hydra")
+    (run / "checkpoints").mkdir()
+    shutil.copyfile(dkef_run / "checkpoints" / "last.ckpt", run / "checkpoints" / "last.ckpt")
+    cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
+    cfg.data = {"_target_": "shutil.rmtree", "path": str(tmp_path / "victim")}
+    OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
+    (tmp_path / "victim").mkdir()
+    for load in (lambda p: evaluate(p), lambda p: sample_from_checkpoint(p, n=2)):
+        with pytest.raises(UnsafeCheckpointError, match=r"has data\._target_=shutil\.rmtree: .* trust_checkpoint=true"):
+            load(run / "checkpoints" / "last.ckpt")
+    assert (tmp_path / "victim").is_dir()
