@@ -50,7 +50,7 @@ def test_probes_change_nothing_and_extrapolate(dkef):
 
 def test_warns_with_the_keys_to_lower_when_a_step_will_not_fit(dkef, monkeypatch, caplog):
     cfg, module = dkef
-    trainer = types.SimpleNamespace(global_step=0, is_global_zero=True)
+    trainer = types.SimpleNamespace(global_step=0, is_global_zero=True, world_size=1)
     monkeypatch.setattr(me, "free_bytes", lambda device: 1024)  # a machine with 1 kB free
     cb = me.MemoryEstimate(16, cfg.model, cfg.deq)
     with caplog.at_level(logging.INFO, logger="src.memory_estimate"):
