@@ -164,7 +164,8 @@ def test_checkpoint_of_another_family_or_shape_is_named(dkef_run, tmp_path):
 
 def test_run_config_may_only_build_deqsm_classes(dkef_run, tmp_path):
     """src.evaluate / src.sample instantiate the model and data of the checkpoint's run config: a shared run
-    directory whose config names another callable is refused (unless trusted), before anything is built."""
+    directory whose config names another callable is refused (unless trusted) before anything is built. Hydra
+    blocks os.system-like targets but not ``torch.load`` (measured), which unpickles a file of the run."""
     import shutil
 
     from src.evaluate import evaluate
@@ -174,11 +175,15 @@ def test_run_config_may_only_build_deqsm_classes(dkef_run, tmp_path):
     shutil.copytree(dkef_run / ".hydra", run / ".hydra")
     (run / "checkpoints").mkdir()
     shutil.copyfile(dkef_run / "checkpoints" / "last.ckpt", run / "checkpoints" / "last.ckpt")
+    marker = tmp_path / "marker.txt"
+    torch.save({"x": Payload(marker)}, run / "data.pt")
     cfg = OmegaConf.load(run / ".hydra" / "config.yaml")
-    cfg.data = {"_target_": "shutil.rmtree", "path": str(tmp_path / "victim")}
+    cfg.data = {"_target_": "torch.load", "f": str(run / "data.pt"), "weights_only": False}
     OmegaConf.save(cfg, run / ".hydra" / "config.yaml")
-    (tmp_path / "victim").mkdir()
     for load in (lambda p: evaluate(p), lambda p: sample_from_checkpoint(p, n=2)):
-        with pytest.raises(UnsafeCheckpointError, match=r"has data\._target_=shutil\.rmtree: .* trust_checkpoint=true"):
+        with pytest.raises(UnsafeCheckpointError, match=r"has data\._target_=torch\.load: .* trust_checkpoint=true"):
             load(run / "checkpoints" / "last.ckpt")
-    assert (tmp_path / "victim").is_dir()
+    assert not marker.exists()
+    with pytest.raises(Exception):  # noqa: B017  control: trusted, the config's target runs (and fails after)
+        evaluate(run / "checkpoints" / "last.ckpt", trust=True)
+    assert marker.read_text().strip() == "pwned"
