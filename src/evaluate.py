@@ -45,9 +45,10 @@ def find_run_config(ckpt: Path) -> Path:
 
 def check_targets(cfg: DictConfig, cfg_path: Path, trust: bool = False) -> None:
     """A run's config is a file too: the ``_target_`` s under ``model`` and ``data`` (what src.evaluate and
-    src.sample instantiate) must be deqsm classes (``src.…``), unless the user trusts the run directory — a
-    shared run's config naming, say, ``shutil.rmtree`` would otherwise be called (Hydra blocks only
-    ``os.system``-like targets)."""
+    src.sample instantiate) must be deqsm classes (``src.…``), unless the user trusts the run directory: a
+    shared run's config naming ``torch.load`` of a file in the run (unpickling runs code) or
+    ``pathlib.Path.unlink`` would otherwise be called (Hydra's blocklist stops ``os.system``, ``subprocess``,
+    ``shutil.rmtree``…, not these: measured)."""
     if trust:
         return
     for section in ("model", "data"):
