@@ -39,8 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import RESULTS
 
 from src.reporting import markdown_table, rerender, write_results
 
@@ -264,7 +263,7 @@ def main() -> None:
     ap.add_argument("--vae-images", type=int, default=50)
     ap.add_argument("--vae-steps", type=int, default=1000)
     ap.add_argument("--skip-quadrature", action="store_true", help="only the --vae-ckpt part")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="ais_bias")
     ap.add_argument("--render", action="store_true", help="rebuild the markdown from the saved JSON")
     ap.add_argument("--merge", default=None,

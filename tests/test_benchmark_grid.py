@@ -164,7 +164,8 @@ def _benchmark(name: str):
                                         ("ncsn_phantom_bias", "ncsn_phantom_bias"),
                                         ("dkef_memory", "dkef_memory"), ("objectives_bench", "objectives"),
                                         ("vae_estimator_depth", "vae_estimator_depth"),
-                                        ("vae_estimator_variance", "vae_estimator_variance")])
+                                        ("vae_estimator_variance", "vae_estimator_variance"),
+                                        ("ais_bias", "ais_bias")])
 def test_other_committed_benchmark_tables_rebuild_exactly_from_their_json(name, stem):
     """Every committed benchmark table is a pure function of its JSON (no hand edits, nothing lost)."""
     if not (RESULTS / f"{stem}.json").exists():
