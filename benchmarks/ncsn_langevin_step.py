@@ -30,8 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from _common import RESULTS
 
 from src.reporting import markdown_table, rerender, write_results
 
@@ -144,7 +143,7 @@ def main() -> None:
                     help="with --merge and --keep-samples: FID's bootstrap standard deviation over this many draws")
     ap.add_argument("--train-command", default="", help="recorded in the results: how the checkpoint was trained")
     ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--name", default="ncsn_langevin_step")
     ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
     ap.add_argument("--merge", nargs="+", default=None, help="run nothing: join results JSONs of one checkpoint")
