@@ -237,6 +237,8 @@ def render(res: dict) -> str:
                   (f"Checkpoint `{v['checkpoint']}`: AIS log p(x) of its first {v['images']} test images, "
                    f"T = {v['T']}, {v['chains']} chains, {v['leapfrog']} leapfrog steps; the same images and "
                    "checkpoint for both rules."), ""]
+        if v.get("trained_with"):
+            lines += [f"The checkpoint was trained with `{v['trained_with']}`.", ""]
         vrows = [[f"`{k}`", f"{r['mean']:.2f} ± {r['se']:.2f}", f"{r['accept']:.3f}", cpu_cell(r)]
                  for k, r in v["rules"].items()]
         lines += markdown_table(["rule", "AIS log p(x) ± s.e.", "acceptance", "CPU s"], vrows)
