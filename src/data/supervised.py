@@ -3,7 +3,8 @@
 x [B, d], y [B, 1]; ``split_tensor`` gives x as the data contract asks.
 
 ``full_batch=true`` makes every training batch the whole training split (gradient descent, not SGD) and an
-epoch ``steps_per_epoch`` such steps, so a long GD run is a few Lightning epochs.
+epoch ``steps_per_epoch`` such steps, so a long GD run is a few Lightning epochs. Under DDP each rank takes its
+share of the rows at every step, so a step is still one full-batch step (:class:`_Repeat`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from src.data.contract import ScoreDataModule, check_split
@@ -19,14 +21,24 @@ from src.studies.tasks import TASKS
 
 
 class _Repeat(Dataset):
-    def __init__(self, x, y, n):
-        self.x, self.y, self.n = x, y, int(n)
+    """The full-batch "epoch": ``n`` steps on the whole split. Under DDP with W ranks it holds n·W items, item i
+    being the rows ``i mod W, i mod W + W, …``; the (unshuffled) distributed sampler gives rank r the items
+    r, r + W, …, i.e. its own rows at each of the n steps, so each step's global batch is the whole split and
+    the all-reduced mean gradient is one process's full-batch gradient (equal shards: N a multiple of W)."""
+
+    def __init__(self, x, y, n, shards: int = 1):
+        self.x, self.y, self.n, self.shards = x, y, int(n), int(shards)
+        if x.shape[0] % self.shards:
+            raise ValueError(f"data.full_batch=true under DDP splits the {x.shape[0]} training rows evenly over "
+                             f"{self.shards} ranks: give a number of training points that is a multiple of "
+                             f"{self.shards}, or data.full_batch=false")
 
     def __len__(self):
-        return self.n
+        return self.n * self.shards
 
     def __getitem__(self, i):
-        return self.x, self.y
+        r = int(i) % self.shards
+        return self.x[r::self.shards], self.y[r::self.shards]
 
 
 class SupervisedDataModule(ScoreDataModule):
@@ -77,8 +89,9 @@ class SupervisedDataModule(ScoreDataModule):
         x, y = self._splits["train"]
         # resumable mid-epoch, in a seeded order (src.data.resumable)
         if self.full_batch:
-            return ResumableLoader(_Repeat(x, y, self.steps_per_epoch),
-                                   ResumableSampler(self.steps_per_epoch, shuffle=False), batch_size=None)
+            world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            return ResumableLoader(_Repeat(x, y, self.steps_per_epoch, world),
+                                   ResumableSampler(self.steps_per_epoch * world, shuffle=False), batch_size=None)
         return ResumableLoader(TensorDataset(x, y), ResumableSampler(x.shape[0], shuffle=True),
                                batch_size=self.batch_size)
 

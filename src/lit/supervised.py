@@ -64,19 +64,31 @@ class SupervisedLitModule(DeqsmModule):
             return 0.5 * (pred - y).pow(2).sum()
         return (pred - y).pow(2).mean()
 
+    def _world_size(self) -> int:
+        trainer = getattr(self, "_trainer", None)
+        return trainer.world_size if trainer is not None else 1
+
     def training_step(self, batch, batch_idx):
         x, y = batch
         pred = self.net(x)
         loss = self._loss(pred, y)
+        world = self._world_size()
+        if self.loss_name == "half_sse" and world > 1:
+            # a sum over the batch, and DDP averages the ranks' gradients: scaled by the world size, each step is
+            # one process's step on the global batch (mse, a mean over equal shards, needs nothing)
+            loss = loss * world
         if not any(p.requires_grad for p in self.parameters()):  # a frozen construction: evaluate only
             self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=x.shape[0])
             return None
         self.check_finite(loss)
         if isinstance(self.net, DiagonalLinearDEQ) and self.optimizer_cfg.get("name") == "sgd":
             r = (pred - y).detach().reshape(-1).double()
+            if world > 1:  # every rank's residuals, in the split's row order (rank w holds rows w, w + W, …)
+                r = self.all_gather(r).t().reshape(-1)
             lr = float(self.optimizer_cfg.get("lr", 1e-3))
             self.gd_v = r * lr if self.gd_v is None or self.gd_v.shape != r.shape else self.gd_v + lr * r
-        self.log("train/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=x.shape[0])
+        self.log("train/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=x.shape[0],
+                 sync_dist=True)
         return loss
 
     def on_validation_epoch_start(self):  # its own metrics, logged per batch (none from model.metrics)
@@ -89,8 +101,10 @@ class SupervisedLitModule(DeqsmModule):
         x, y = batch
         with torch.no_grad():
             err = self.net(x) - y
-        self.log("val/mse", err.pow(2).mean(), on_epoch=True, prog_bar=True, batch_size=x.shape[0])
-        self.log("val/linf", err.abs().max(), on_epoch=True, reduce_fx="max", batch_size=x.shape[0])
+        # under DDP reduced over the ranks' shards (mean, max), so every rank monitors the same value
+        self.log("val/mse", err.pow(2).mean(), on_epoch=True, prog_bar=True, batch_size=x.shape[0], sync_dist=True)
+        self.log("val/linf", err.abs().max(), on_epoch=True, reduce_fx="max", batch_size=x.shape[0],
+                 sync_dist=True)
 
     def on_test_epoch_start(self):
         self._test, self._iters, self.test_results = [], [], {}
@@ -104,17 +118,19 @@ class SupervisedLitModule(DeqsmModule):
         self._test.append((x.cpu(), y.cpu(), pred.cpu()))
 
     def on_test_epoch_end(self):
-        x, y, pred = (torch.cat(t).double().numpy() for t in zip(*self._test))
+        x, y, pred = (gather_rows(self, torch.cat(t)).double().numpy() for t in zip(*self._test))
         err = pred - y
         iters = float(np.mean(self._iters)) if self._iters else 0.0
+        if self._world_size() > 1:
+            iters = float(self.all_gather(torch.tensor(iters, dtype=torch.float64, device=self.device)).mean())
         res = {"test/mse": float(np.mean(err ** 2)), "test/linf": float(np.abs(err).max()),
                "test/n_params": float(sum(p.numel() for p in self.net.parameters())),
                "test/weight_inf_norm": effective_weight_inf_norm(self.net),
                "test/deq_iterations": iters, "test/flops_per_forward": forward_flops(self.net, iters)}
-        if self.analysis:
+        trainer = getattr(self, "_trainer", None)
+        if self.analysis and (trainer is None or trainer.is_global_zero):  # one figure writer under DDP
             from src.studies.analysis import ANALYSES
 
-            trainer = getattr(self, "_trainer", None)
             out_dir = Path(getattr(trainer, "default_root_dir", None) or ".")
             dm = getattr(trainer, "datamodule", None) if trainer is not None else None
             res.update(ANALYSES[self.analysis](self, dm, out_dir, x=x, y=y, pred=pred, **self.analysis_kwargs))
@@ -129,6 +145,20 @@ class SupervisedLitModule(DeqsmModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         super().on_load_checkpoint(checkpoint)
         self.gd_v = checkpoint.get("gd_v")
+
+
+def gather_rows(module: DeqsmModule, t: torch.Tensor) -> torch.Tensor:
+    """Under DDP, every rank's rows of the test split in the split's order: Lightning's distributed sampler
+    gives rank w the rows w, w + W, … of the split padded (with its head) to a multiple of W; this interleaves
+    the ranks' rows back and drops the padding. In one process, ``t`` itself (on the CPU)."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.world_size == 1:
+        return t.cpu()
+    gathered = module.all_gather(t.to(module.device))  # [W, n_local, ...]
+    rows = gathered.transpose(0, 1).reshape(-1, *t.shape[1:])
+    loaders = trainer.test_dataloaders
+    n = len((loaders[0] if isinstance(loaders, (list, tuple)) else loaders).dataset)
+    return rows[:n].cpu()
 
 
 def effective_weight_inf_norm(net: torch.nn.Module) -> float:

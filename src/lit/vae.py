@@ -4,7 +4,8 @@ alternating manual updates (paper §4.1, App. D.3, Tables 1, 6, 7).
 Each training step, on a batch x (binarised MNIST, or CIFAR-10/CelebA in [−1, 1]):
 
 1. ``score_steps`` updates of the score estimator (optimiser ``score``) with the configured objective
-   (``loss=ssm`` as the paper, ``ssm_vr``, ``dsm``) on z ~ q(z|x), drawn afresh and detached each time;
+   (default ``loss=ssm_vr`` with Gaussian projections, the SSM reference code's ``sliced_score_estimation_vr``;
+   ``ssm``, eq. 3; ``dsm``) on z ~ q(z|x), drawn afresh and detached each time;
 2. one update of encoder and decoder (optimiser ``vae``) on the surrogate negative ELBO
    −log p(x|z) − log p(z) + ⟨stop-grad(s(z|x)), z⟩, whose encoder gradient is, in expectation, that of
    the true negative ELBO (:func:`src.models.vae.entropy_surrogate`).
@@ -25,6 +26,7 @@ import src.metrics.vae  # noqa: F401  registers model.metrics.vae
 from src import progress
 from src.lit.base import DeqsmModule, as_plain, batch_tensor
 from src.metrics.ais import ais_log_likelihood
+from src.metrics.evaluation import rank_share
 from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
 from src.objectives.registry import get_objective
 from src.objectives.ssm import ssm
@@ -41,6 +43,18 @@ class VAELitModule(DeqsmModule):
     projection of ``loss=ssm|ssm_vr`` and is the one of the reported test SSM loss."""
 
     outputs_score = True  # the score estimator s(z|x)
+    # DDP: a training step runs two backward passes (score loss -> score_net; surrogate ELBO -> encoder and
+    # decoder), each reaching only its optimiser's parameters, while DDP's reducer expects every parameter it
+    # wraps to get a gradient in each backward. src.train.follow_ddp_needs therefore runs this module under
+    # Lightning's ``ddp_find_unused_parameters_true``: each backward all-reduces (averages) the gradients it
+    # produced and leaves the other optimiser's parameters untouched. Chosen by measurement (2 CPU ranks):
+    # plain ``ddp`` stops at the first step; Lightning's ``toggle_optimizer`` (requires_grad off for the other
+    # optimiser) stops the same way, DDP having registered every parameter when it wrapped the module; turning
+    # DDP's reducer off and all-reducing each optimiser's gradients by hand ends with the same parameters but
+    # must undo Lightning re-arming the reducer every step, for no gain: experiment=vae_mnist deq=false, 2 ranks
+    # x 64 images, 150 iterations on a busy 2-core CPU, 0.36-0.42 s per iteration against 0.29 s here, and
+    # bit-identical parameters after them (tests/test_ddp.py checks each update's gradient is the ranks' mean).
+    ddp_find_unused_parameters = True
 
     def __init__(
         self,
@@ -140,9 +154,11 @@ class VAELitModule(DeqsmModule):
         super().on_test_epoch_start()
 
     def log_likelihood_metrics(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """AIS log p(x) (nats) of the first ``model.evaluation.ais.test_points`` test points (per rank)."""
+        """AIS log p(x) (nats) of the first ``model.evaluation.ais.test_points`` test points. Under DDP rank r
+        tests the points r, r + W, … (Lightning's distributed sampler), so it takes its share of those first
+        points, and the ranks together take the same points as one process."""
         c = self.ais_cfg
-        x = x[: max(0, int(c["test_points"]) - self._ais_seen)]
+        x = x[: max(0, rank_share(self, int(c["test_points"])) - self._ais_seen)]
         self._ais_batches += 1
         if x.shape[0] == 0:
             return {}
@@ -158,7 +174,11 @@ class VAELitModule(DeqsmModule):
 
     def log_likelihood_constants(self) -> dict[str, float]:
         c = self.ais_cfg
-        return {"test/ais_points": float(self._ais_seen), "test/ais_steps": float(c["n_steps"]),
+        seen = torch.tensor(float(self._ais_seen), dtype=torch.float64, device=self.device)
+        trainer = getattr(self, "_trainer", None)
+        if trainer is not None and trainer.world_size > 1:  # the points of all ranks
+            seen = trainer.strategy.reduce(seen, reduce_op="sum")
+        return {"test/ais_points": float(seen), "test/ais_steps": float(c["n_steps"]),
                 "test/ais_chains": float(c["n_chains"])}
 
     # ------------------------------------------------------------------ samples

@@ -66,6 +66,16 @@ def test_points_available(module) -> int | None:
         return None
 
 
+def rank_share(module, n: int) -> int:
+    """How many of the first ``n`` evaluation points this rank holds: under DDP Lightning's distributed sampler
+    gives rank r the points r, r + W, …, so a cap of ``n`` test points takes, over all ranks together, the
+    same points as one process. ``n`` in one process."""
+    trainer = getattr(module, "_trainer", None)
+    if trainer is None or trainer.world_size <= 1:
+        return n
+    return len(range(trainer.global_rank, n, trainer.world_size))
+
+
 def _cap(points: int | None, available: int | None) -> int | None:
     if points is None:
         return available
@@ -130,7 +140,7 @@ class ExactSMLoss(EvalMetric):
     """Exact SM loss (eq. 1) per sample, ½‖s‖² + tr ∇ₓs, averaged, **not** divided by D — the common yardstick.
 
     ``val_points``: at most this many points of each validation batch; ``test_points``: at most this many
-    test points in all (per rank); ``backward_budget``: at most this many backward passes (points × D) per
+    test points in all (all DDP ranks together); ``backward_budget``: at most this many backward passes (points × D) per
     validation batch and on the whole test set — the point caps become ⌊budget / D⌋ (at least 1) where that is
     fewer, so one setting sizes the cost for any D (the quick evaluation preset uses it: at D = 784 a NICE point
     costs 784 backward passes through every coupling). ``<stage>/sm_loss_n_points`` records how many points
@@ -175,7 +185,7 @@ class ExactSMLoss(EvalMetric):
         acc = self.val if stage == "val" else self.test
         cap = self.points(stage, x[0].numel())
         if cap is not None:
-            x = x[: cap if stage == "val" else max(0, cap - acc.local_count)]
+            x = x[: cap if stage == "val" else max(0, rank_share(module, cap) - acc.local_count)]
         if x.shape[0] == 0:
             return
         if stage == "test":
@@ -283,7 +293,7 @@ class NoiseConditionalLosses(EvalMetric):
     levels, i.e. the expectation under NCSN's uniform level distribution) and ``test/<loss>_loss/sigma_<i>``.
     The perturbation noise is seeded (``seed``, batch number, level), so re-evaluation repeats exactly, and
     drawn under ``torch.random.fork_rng`` so evaluation never moves the training RNG. ``test_points``: at most
-    this many test points (per rank; null: the whole test loop); ``test/noise_conditional_n_points`` records how
+    this many test points (all DDP ranks together; null: the whole test loop); ``test/noise_conditional_n_points`` records how
     many were used. The module provides
     ``noise_levels`` (a 1-D tensor σ₁ > … > σ_L) and a model with ``score(x, labels)``.
     """
@@ -320,7 +330,7 @@ class NoiseConditionalLosses(EvalMetric):
         sigmas = module.noise_levels.to(device=x.device, dtype=x.dtype)
         self._batches += 1
         if self.test_points is not None:
-            x = x[: max(0, self.test_points - self._seen)]
+            x = x[: max(0, rank_share(module, self.test_points) - self._seen)]
         if x.shape[0] == 0:
             return
         self._seen += x.shape[0]

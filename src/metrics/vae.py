@@ -7,8 +7,9 @@ Per validation/test point, with z ~ q(z|x) from the implicit encoder (one draw, 
 - ``<stage>/recon_error``: −log p(x|z) (nats; Bernoulli: binary cross-entropy summed over pixels).
 
 The draws are seeded (``seed``, batch number) under ``torch.random.fork_rng``, so evaluation repeats exactly
-and never moves the training RNG. ``val_points`` / ``test_points`` cap the points per batch / in all. The
-AIS log-likelihood goes through the ``log_likelihood`` metric (``VAELitModule.log_likelihood_metrics``).
+and never moves the training RNG. ``val_points`` / ``test_points`` cap the points per batch / in all (all DDP
+ranks together). The AIS log-likelihood goes through the ``log_likelihood`` metric
+(``VAELitModule.log_likelihood_metrics``).
 The module provides ``vae_eval_terms(x, generator) -> {"score_ssm_loss": [B], "recon_error": [B]}``.
 Registered here with :func:`src.metrics.evaluation.register_metric`; ``src.lit.vae`` imports this module.
 """
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from src.metrics.evaluation import EvalMetric, _MeanAndStderr, register_metric, seeded_rng
+from src.metrics.evaluation import EvalMetric, _MeanAndStderr, rank_share, register_metric, seeded_rng
 
 
 @register_metric
@@ -43,7 +44,7 @@ class VAEMetrics(EvalMetric):
         cap = self.val_points if stage == "val" else self.test_points
         seen = self.acc[f"{stage}_recon_error"].local_count
         if cap is not None:
-            x = x[: cap if stage == "val" else max(0, cap - seen)]
+            x = x[: cap if stage == "val" else max(0, rank_share(module, cap) - seen)]
         self._batches += 1
         if x.shape[0] == 0:
             return
