@@ -45,6 +45,9 @@ DATA = f"data.root={SHARED_DATA}"
 # family: (overrides, global step to kill after, optimiser steps per epoch); 2 epochs each, the kill mid-epoch 2
 FAMILIES = {
     "dkef": ([*FAST, "data.n_train=64", "trainer.max_epochs=2", "deq=true", "loss=ssm_vr"], 6, 4),
+    # a validation (and a best-checkpoint update) right after the last step saved before the kill
+    "dkef_midval": ([*FAST, "data.n_train=64", "trainer.max_epochs=2", "deq=true", "loss=ssm_vr",
+                     "trainer.val_check_interval=2"], 6, 4),
     "nice": (["model=nice", "data=mnist", DATA, "data.limit=200", "data.batch_size=35", "model.hidden=16",
               "model.deq_width=16", "deq=true", "loss=ssm", "model.metrics.exact_sm.test_points=4",
               "model.metrics.exact_sm.val_points=4", "model.n_samples_grid=0", "trainer.max_epochs=2"], 6, 4),

@@ -3,7 +3,8 @@
 One callback owns ``last.ckpt`` (``callbacks.last_checkpoint``). It saves the run's state
 
 - every ``every_n_train_steps`` optimiser steps (null: never mid-epoch), keeping each of those states as
-  ``step_XXXXXXX.ckpt`` too when ``keep_steps`` is true;
+  ``step_XXXXXXX.ckpt`` too when ``keep_steps`` is true; when a validation runs right after that step, the
+  state is saved after it (Lightning, resuming from a state saved before, would skip that validation);
 - at the end of every training epoch (after its validation) and when training ends.
 
 Every checkpoint the run writes — a step file, the best ``epoch_*.ckpt`` of ``model_checkpoint``, the files of
@@ -39,6 +40,7 @@ class LastCheckpoint(Checkpoint):
         self.keep_steps = bool(keep_steps)
         self.last_model_path = str(Path(self.dirpath) / LAST)
         self._saved_step: int | None = None
+        self._pending: str | None = None  # a step checkpoint deferred to the end of the validation after it
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -69,7 +71,26 @@ class LastCheckpoint(Checkpoint):
         # a crossed multiple of n, not step % n == 0: a manual-optimisation family may take several steps a batch
         if not n or not self._active(trainer) or step // n == (self._saved_step or 0) // n:
             return
-        self._save(trainer, f"step_{step:07d}.ckpt" if self.keep_steps else LAST)
+        name = f"step_{step:07d}.ckpt" if self.keep_steps else LAST
+        if self._validation_follows(trainer):
+            # Lightning, resuming from a state saved here, would count the validation due after this batch as
+            # done and skip it (a different best checkpoint, other test metrics): save once it has run
+            self._pending, self._saved_step = name, step
+            return
+        self._save(trainer, name)
+
+    @staticmethod
+    def _validation_follows(trainer: L.Trainer) -> bool:
+        loop = trainer.fit_loop.epoch_loop
+        try:  # Lightning's own decision, made right after this hook (private API: without it, save now)
+            return bool(loop._should_check_val_fx(trainer.fit_loop._data_fetcher))
+        except AttributeError:  # pragma: no cover
+            return False
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._pending is not None and self._active(trainer):
+            name, self._pending = self._pending, None
+            self._save(trainer, name)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active(trainer):
