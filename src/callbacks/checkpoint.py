@@ -5,7 +5,8 @@ One callback owns ``last.ckpt`` (``callbacks.last_checkpoint``). It saves the ru
 - every ``every_n_train_steps`` optimiser steps (null: never mid-epoch), keeping each of those states as
   ``step_XXXXXXX.ckpt`` too when ``keep_steps`` is true; when a validation runs right after that step, the
   state is saved after it (Lightning, resuming from a state saved before, would skip that validation);
-- at the end of every training epoch (after its validation) and when training ends.
+- at the end of every training epoch (after its last batch, or after the validation that follows it) and when
+  training ends.
 
 Every checkpoint the run writes — a step file, the best ``epoch_*.ckpt`` of ``model_checkpoint``, the files of
 another ``ModelCheckpoint`` in another folder — is written *as* ``last.ckpt``: :class:`~src.checkpoints.AtomicCheckpointIO` writes ``last.ckpt`` atomically
@@ -69,9 +70,13 @@ class LastCheckpoint(Checkpoint):
         n = self.every_n_train_steps
         step = trainer.global_step
         # a crossed multiple of n, not step % n == 0: a manual-optimisation family may take several steps a batch
-        if not n or not self._active(trainer) or step // n == (self._saved_step or 0) // n:
+        step_due = bool(n) and step // n != (self._saved_step or 0) // n
+        # the epoch's end is saved here (or after its validation), not at on_train_epoch_end: Lightning resumes a
+        # state saved there with the finished epoch's batch count (measured: the next epoch then ran 1 of 2 batches)
+        epoch_end = bool(trainer.fit_loop.epoch_loop.batch_progress.is_last_batch)
+        if not (step_due or epoch_end) or not self._active(trainer):
             return
-        name = f"step_{step:07d}.ckpt" if self.keep_steps else LAST
+        name = f"step_{step:07d}.ckpt" if step_due and self.keep_steps else LAST
         if self._validation_follows(trainer):
             # Lightning, resuming from a state saved here, would count the validation due after this batch as
             # done and skip it (a different best checkpoint, other test metrics): save once it has run
@@ -91,10 +96,6 @@ class LastCheckpoint(Checkpoint):
         if self._pending is not None and self._active(trainer):
             name, self._pending = self._pending, None
             self._save(trainer, name)
-
-    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._active(trainer):
-            self._save(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._active(trainer) and self._saved_step != trainer.global_step:
