@@ -46,15 +46,16 @@ def test_quick_caps_existing_keys_only():
     assert cfg.model.metrics.fid.n_samples == 1000 and cfg.model.sampling.n_steps_each == 100
     record = apply_eval_preset(cfg, explicit=[])
     assert record["eval/preset"] == "quick" and cfg.eval.preset == "quick"
-    assert cfg.model.metrics.fid.n_samples == 250
-    # the sampler is shortened as a unit: T = 10 at eps 2e-4 (T * eps = NCSN's 100 * 2e-5)
-    assert cfg.model.sampling.n_steps_each == 10 and cfg.model.sampling.step_lr == pytest.approx(2e-4)
+    assert cfg.model.metrics.fid.n_samples == 200
+    # the sampler is shortened as a unit: T = 4 at eps 2e-4 (the largest stable step at sigma_1 / sigma_L = 100)
+    assert cfg.model.sampling.n_steps_each == 4 and cfg.model.sampling.step_lr == pytest.approx(2e-4)
     assert cfg.model.sampling.denoise is False  # a key of the unit the preset does not name stays
-    assert cfg.model.metrics.noise_conditional.test_points == 256
+    assert cfg.model.metrics.noise_conditional.test_points == 128
+    assert cfg.model.n_samples_grid == 36
     assert cfg.model.metrics.exact_sm is None  # switched off by the family: stays off
     assert "ais" not in cfg.model.get("evaluation", {}) and "ll_samples" not in cfg.model.get("evaluation", {})
-    assert record["eval/model.metrics.fid.n_samples"] == 250
-    assert record["eval/model.sampling.n_steps_each"] == 10
+    assert record["eval/model.metrics.fid.n_samples"] == 200
+    assert record["eval/model.sampling.n_steps_each"] == 4
     assert "eval/model.metrics.exact_sm.test_points" not in record
 
 
@@ -63,7 +64,7 @@ def test_quick_keeps_smaller_values_and_command_line_keys():
                          "model.sampling.n_steps_each=3", "model.metrics.noise_conditional.test_points=999"])
     apply_eval_preset(cfg, explicit=["model.metrics.noise_conditional.test_points"])
     assert cfg.model.metrics.fid.n_samples == 8                           # already below the cap
-    assert cfg.model.sampling.n_steps_each == 3                           # T = 3 < 10: the unit is not applied
+    assert cfg.model.sampling.n_steps_each == 3                           # T = 3 < 4: the unit is not applied
     assert cfg.model.sampling.step_lr == pytest.approx(2e-5)
     assert cfg.model.metrics.noise_conditional.test_points == 999         # given on the command line
     cfg = compose_train([*NCSN, "trainer.max_steps=50", "model.metrics.fid=null"])
