@@ -50,7 +50,7 @@ from src.data.contract import ScoreDataModule, require_contract
 from src.deq.block import PHANTOM_TRUNCATION_WARN, DEQBlock, phantom_truncation
 from src.metrics.evaluation import build_metrics
 from src.objectives.base import ObjectiveOutput
-from src.objectives.registry import get_objective
+from src.objectives.registry import objective_from_config
 
 
 def batch_tensor(batch: Any) -> torch.Tensor:
@@ -161,13 +161,29 @@ class DeqsmModule(L.LightningModule):
     net: torch.nn.Module
     deq_input_rows = 16  # rows of the last training input kept per DEQ block for its contraction rate (0: none)
     outputs_score = False  # the network outputs the score itself (not an energy): see loss_differentiates_through_deq
+    # The training objective (model.loss), built once here from the config by
+    # src.objectives.registry.objective_from_config; a family without one (the supervised studies) sets None.
+    default_loss: str | None = None  # the family's objective when model.loss names none
+    train_losses: tuple[str, ...] | None = None  # the objectives the family trains with (None: every one)
+    ignored_loss_keys: tuple[str, ...] = ()  # loss-config keys the family replaces (NCSN: sigma)
 
     def __init__(self, optimizer: Mapping | None = None, metrics: Mapping | None = None,
-                 evaluation: Mapping | None = None, monitor: str | None = None, monitor_mode: str | None = None):
+                 evaluation: Mapping | None = None, monitor: str | None = None, monitor_mode: str | None = None,
+                 loss: Mapping | None = None, loss_bound: Mapping | None = None):
         """``monitor`` / ``monitor_mode``: the family's default ``optimized_metric`` (conf/train.yaml reads
-        them from the model config); the module itself only records them."""
+        them from the model config); the module itself only records them. ``loss``: the ``model.loss`` config,
+        built into ``self.objective`` (with ``self.loss_name``, ``self.loss_kwargs``) when the family has a
+        ``default_loss``; ``loss_bound``: hyper-parameters the family sets over the config's (the VAE's
+        projection)."""
         super().__init__()
         self.monitor, self.monitor_mode = monitor, monitor_mode
+        self.loss_name: str | None = None
+        self.loss_kwargs: dict[str, Any] = {}
+        self.objective = None
+        if self.default_loss is not None:
+            self.loss_name, self.loss_kwargs, self.objective = objective_from_config(
+                as_plain(loss), default=self.default_loss, family=type(self).__name__,
+                allowed=self.train_losses, ignored=self.ignored_loss_keys, bound=loss_bound)
         self.optimizer_cfg = dict(as_plain(optimizer) or {})
         for name, spec in self.optimizer_specs().items():  # bad optimiser settings: one line, at start-up
             optimizer_arguments(spec, self._optimizer_key(name))
@@ -385,7 +401,7 @@ class DeqsmModule(L.LightningModule):
         model's score is ∇ₓ log p through the DEQ: every score-matching loss does, MLE does not (NICE's additive
         couplings have unit Jacobian determinant). A score network (``outputs_score``: NCSN, the VAE's estimator)
         is differentiated only by the divergence of SSM / SSM-VR / SM, not by DSM."""
-        name = getattr(self, "loss_name", None)
+        name = self.loss_name
         return not (name == "mle" or (self.outputs_score and name == "dsm"))
 
     def on_fit_start(self) -> None:
@@ -514,15 +530,9 @@ class DeqsmModule(L.LightningModule):
 class ScoreMatchingModule(DeqsmModule):
     """A family trained by one score-matching objective (``model.loss``, :mod:`src.objectives`) with one
     optimiser and Lightning's automatic optimisation. ``training_objective`` may be overridden (DKEF fits α
-    on half the batch)."""
+    on half the batch; NCSN applies the objective in its noise-conditional form)."""
 
-    def __init__(self, loss: Mapping, optimizer: Mapping | None = None, metrics: Mapping | None = None,
-                 evaluation: Mapping | None = None):
-        super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation)
-        loss = dict(as_plain(loss) or {"name": "sm"})
-        self.loss_name = loss.pop("name")
-        self.loss_kwargs = loss
-        self.objective = get_objective(self.loss_name, **loss)
+    default_loss = "sm"
 
     def training_objective(self, x: torch.Tensor) -> ObjectiveOutput:
         return self.objective(self.net, x)

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from src import progress
-from src.lit.base import DeqsmModule, as_plain, batch_tensor
+from src.lit.base import ScoreMatchingModule, as_plain, batch_tensor
 from src.metrics.evaluation import seeded_rng
 from src.models.ncsn import NCSN, geometric_sigmas
 from src.objectives.conditional import noise_conditional
@@ -33,7 +33,9 @@ SAMPLING_DEFAULTS = {"n_steps_each": 100, "step_lr": 2e-5, "denoise": False}
 VAL_CONTRACTION_POINTS = 16  # validation images for val/deq_contraction_rate (one per level, cycled)
 
 
-class NCSNLitModule(DeqsmModule):
+class NCSNLitModule(ScoreMatchingModule):
+    default_loss, train_losses = "ssm_vr", TRAIN_LOSSES  # noise-conditional forms only
+    ignored_loss_keys = ("sigma",)  # dsm: every sample's own noise level replaces the fixed sigma
     outputs_score = True  # s(x, i) directly: DSM has no derivative through the DEQ, SSM-VR's divergence has
     deq_input_rows = 0  # no training inputs kept: deq_contraction_rates measures on seeded validation images
 
@@ -60,15 +62,8 @@ class NCSNLitModule(DeqsmModule):
         loss, deq, noise, sampling, optimizer, evaluation, metrics = (
             as_plain(c) for c in (loss, deq, noise, sampling, optimizer, evaluation, metrics))
         super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation, monitor=monitor,
-                         monitor_mode=monitor_mode)
+                         monitor_mode=monitor_mode, loss=loss)
         self.save_hyperparameters()
-        loss = dict(loss or {"name": "ssm_vr"})
-        self.loss_name = str(loss.pop("name"))
-        if self.loss_name not in TRAIN_LOSSES:
-            raise ValueError(f"model=ncsn trains with loss={'|'.join(TRAIN_LOSSES)} (noise-conditional); got "
-                             f"loss={self.loss_name}")
-        loss.pop("sigma", None)  # dsm: every sample's own noise level replaces the fixed sigma
-        self.objective = get_objective(self.loss_name, **loss)
         self.anneal_power = float(anneal_power)
         noise = {"sigma_begin": 1.0, "sigma_end": 0.01, "num_classes": 10, **(noise or {})}
         sigmas = geometric_sigmas(float(noise["sigma_begin"]), float(noise["sigma_end"]), int(noise["num_classes"]))
@@ -89,14 +84,10 @@ class NCSNLitModule(DeqsmModule):
         return self.net.sigmas
 
     # ------------------------------------------------------------------ training and validation
-    def training_step(self, batch, batch_idx):
-        x = batch_tensor(batch)
-        out = noise_conditional(self.objective, self.net, x, self.net.sigmas, anneal_power=self.anneal_power)
-        self.check_finite(out.loss, f"training (loss={self.loss_name})")
-        self.log("train/loss", out.loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
-        for name, value in out.parts.items():
-            self.log(f"train/{name}", value, on_step=False, on_epoch=True, batch_size=x.shape[0])
-        return out.loss
+    def training_objective(self, x: torch.Tensor):
+        """The configured objective in its noise-conditional form (σᵢ^anneal_power-weighted, a level per sample);
+        :meth:`ScoreMatchingModule.training_step` logs and returns it."""
+        return noise_conditional(self.objective, self.net, x, self.net.sigmas, anneal_power=self.anneal_power)
 
     def validation_step(self, batch, batch_idx):
         super().validation_step(batch, batch_idx)

@@ -28,7 +28,6 @@ from src.lit.base import DeqsmModule, as_plain, batch_tensor
 from src.metrics.ais import ais_log_likelihood
 from src.metrics.evaluation import rank_share
 from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
-from src.objectives.registry import get_objective
 from src.objectives.ssm import ssm
 
 AIS_DEFAULTS = {"n_steps": 1000, "n_chains": 16, "leapfrog": 10, "step_size": 0.05, "target_accept": 0.65,
@@ -43,6 +42,8 @@ class VAELitModule(DeqsmModule):
     projection of ``loss=ssm|ssm_vr`` and is the one of the reported test SSM loss."""
 
     outputs_score = True  # the score estimator s(z|x)
+    # model.loss of the score estimator, the references' (the VAE's own ELBO is not configurable)
+    default_loss = "ssm_vr"
     # DDP: a training step runs two backward passes (score loss -> score_net; surrogate ELBO -> encoder and
     # decoder), each reaching only its optimiser's parameters, while DDP's reducer expects every parameter it
     # wraps to get a gradient in each backward. src.train.follow_ddp_needs therefore runs this module under
@@ -75,7 +76,6 @@ class VAELitModule(DeqsmModule):
         score_steps: int = 1,
         entropy_weight: float = 1.0,
         projection: str | None = "gaussian",
-        input_dim: int | None = None,
         optimizer: Mapping | None = None,
         evaluation: Mapping | None = None,
         metrics: Mapping | None = None,
@@ -86,7 +86,7 @@ class VAELitModule(DeqsmModule):
         loss, deq, optimizer, evaluation, metrics = (as_plain(c) for c in (loss, deq, optimizer, evaluation, metrics))
         image_shape = [int(s) for s in as_plain(image_shape)]
         super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation, monitor=monitor,
-                         monitor_mode=monitor_mode)
+                         monitor_mode=monitor_mode, loss=loss, loss_bound={"projection": projection})
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.latent_dim, self.score_steps, self.n_samples_grid = int(latent_dim), int(score_steps), n_samples_grid
@@ -102,12 +102,7 @@ class VAELitModule(DeqsmModule):
         self.score_net = ScoreEstimator(image_shape, latent_dim, arch=arch, channels=channels, depth=depth, deq=deq,
                                        aug_init=aug_init)
         self.net = self.score_net
-        loss = dict(loss or {"name": "ssm"})
-        self.loss_name = loss.pop("name")
-        if projection is not None and self.loss_name in ("ssm", "ssm_vr"):
-            loss["projection"] = projection  # the SSM reference's Gaussian projections for the VAE
-        self.projection = projection or loss.get("projection", "rademacher")
-        self.objective = get_objective(self.loss_name, **loss)
+        self.projection = projection or self.loss_kwargs.get("projection", "rademacher")
         self.ais_cfg = {**AIS_DEFAULTS, **dict(self.evaluation_cfg.get("ais") or {})}
         unknown = set(self.ais_cfg) - set(AIS_DEFAULTS)
         if unknown:

@@ -82,7 +82,7 @@ def _cap(points: int | None, available: int | None) -> int | None:
     return points if available is None else min(points, available)
 
 
-class _MeanAndStderr(nn.Module):
+class MeanAndStderr(nn.Module):
     """Mean and standard error of a stream of per-sample values, reduced across DDP ranks."""
 
     def __init__(self):
@@ -132,7 +132,7 @@ class EvalMetric(nn.Module):
 
     def reset(self) -> None:
         for m in self.modules():
-            if isinstance(m, (torchmetrics.Metric, _MeanAndStderr)) and m is not self:
+            if isinstance(m, (torchmetrics.Metric, MeanAndStderr)) and m is not self:
                 m.reset()
 
 
@@ -161,8 +161,8 @@ class ExactSMLoss(EvalMetric):
         if self.backward_budget is not None and self.backward_budget < 1:
             raise ValueError(f"model.metrics.exact_sm.backward_budget={backward_budget}: give >= 1, or null")
         self.max_dim = int(max_dim)
-        self.val = _MeanAndStderr()
-        self.test = _MeanAndStderr()
+        self.val = MeanAndStderr()
+        self.test = MeanAndStderr()
         self._progress: progress.Phase | None = None
 
     def setup(self, module, datamodule: ScoreDataModule) -> None:
@@ -225,8 +225,8 @@ class GroundTruthMetrics(EvalMetric):
     def __init__(self, required: bool = False):
         super().__init__()
         self.required = bool(required)
-        self.fisher = _MeanAndStderr()
-        self.true_ll = _MeanAndStderr()
+        self.fisher = MeanAndStderr()
+        self.true_ll = MeanAndStderr()
         self._dm = None
 
     def setup(self, module, datamodule):
@@ -269,7 +269,7 @@ class LogLikelihood(EvalMetric):
             values = module.log_likelihood_metrics(x)
         for key, v in values.items():
             if key not in self.parts:
-                self.parts[key] = _MeanAndStderr().to(v.device)
+                self.parts[key] = MeanAndStderr().to(v.device)
             self.parts[key].update(v)
 
     def compute(self, module, stage):
@@ -349,7 +349,7 @@ class NoiseConditionalLosses(EvalMetric):
                                             create_graph=False)
                 key = f"{name}_{i}"
                 if key not in self.acc:
-                    self.acc[key] = _MeanAndStderr().to(x.device)
+                    self.acc[key] = MeanAndStderr().to(x.device)
                 self.acc[key].update(out.per_sample)
                 self._progress.advance(x.shape[0])
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from src.metrics.evaluation import EvalMetric, _MeanAndStderr, rank_share, register_metric, seeded_rng
+from src.metrics.evaluation import EvalMetric, MeanAndStderr, rank_share, register_metric, seeded_rng
 
 
 @register_metric
@@ -32,7 +32,7 @@ class VAEMetrics(EvalMetric):
         self.val_points = None if val_points is None else int(val_points)
         self.test_points = None if test_points is None else int(test_points)
         self.seed = int(seed)
-        self.acc = torch.nn.ModuleDict({f"{s}_{k}": _MeanAndStderr() for s in self.stages for k in self.KEYS})
+        self.acc = torch.nn.ModuleDict({f"{s}_{k}": MeanAndStderr() for s in self.stages for k in self.KEYS})
         self._batches = 0
 
     def setup(self, module, datamodule):
