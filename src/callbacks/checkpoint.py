@@ -1,4 +1,4 @@
-"""``checkpoints/last.ckpt``: the newest state of a run, for resuming it exactly (README, "Resume").
+"""``checkpoints/last.ckpt``: the newest state of a run, for resuming it exactly (docs/usage.md, "Resume and checkpoints").
 
 One callback owns ``last.ckpt`` (``callbacks.last_checkpoint``). It saves the run's state
 

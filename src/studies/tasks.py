@@ -1,7 +1,7 @@
 """Synthetic supervised tasks of the DEQ-vs-FFN studies (*Separation and Bias of Deep Equilibrium Models on
 Expressivity and Learning Dynamics*, NeurIPS 2024), as pure numpy: each ``make_<task>`` returns
 ``{"train": (x, y), "val": (x, y), "test": (x, y), "meta": {...}}`` with float64 arrays x [n, d], y [n, 1].
-Choices the reviews leave open are documented in the README ("DEQ vs feed-forward").
+Choices the reviews leave open are documented in docs/separation.md.
 """
 
 from __future__ import annotations
