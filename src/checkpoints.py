@@ -28,7 +28,6 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
 import zipfile
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -37,6 +36,8 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
+
+from src.runtime import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -213,17 +214,8 @@ def remove_stale_temporaries(folder: str | Path | None) -> list[Path]:
 
 # ------------------------------------------------------------------------------------------ the IO plugin
 def _write_atomic(checkpoint: dict, path: Path) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            torch.save(checkpoint, fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path, fsync=True) as fh:
+        torch.save(checkpoint, fh)
 
 
 def _link_atomic(source: Path, path: Path) -> None:

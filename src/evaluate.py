@@ -27,7 +27,8 @@ from src.checkpoints import (
     check_checkpoint_file,
     check_matches_model,
 )
-from src.train import _print_metrics, set_float_environment, write_json_atomic
+from src.metrics.presets import apply_eval_preset
+from src.runtime import print_metrics, set_float_environment, write_json_atomic
 
 _OWN_KEYS = ("ckpt_path", "trust_checkpoint")
 
@@ -96,6 +97,8 @@ def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None, trust: b
     """Test metrics of ``ckpt_path`` (its run's config, ``overrides`` merged); ``trust``: load a checkpoint
     holding pickled objects other than tensors and plain values (module docstring)."""
     ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides, trust)  # content checked as Lightning loads it
+    # the run's evaluation preset, chosen as src.train chose it (keys given here win): the same test again
+    eval_record = apply_eval_preset(cfg, explicit=[o.split("=", 1)[0].lstrip("+") for o in overrides or []])
     set_float_environment(cfg)
     L.seed_everything(cfg.seed, workers=True)
     datamodule = instantiate(cfg.data)
@@ -111,11 +114,11 @@ def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None, trust: b
         plugins=[AtomicCheckpointIO(validators=[functools.partial(check_matches_model, model=model)], trust=trust)],
     )
     trainer.test(model, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=not trust, verbose=False)
-    metrics = dict(model.test_results)
+    metrics = {**eval_record, **model.test_results}
     metrics["precision"] = str(trainer.precision)
     metrics["checkpoint"] = str(ckpt)
     write_json_atomic(run_dir / "eval_metrics.json", metrics)
-    _print_metrics(metrics, run_dir / "eval_metrics.json")
+    print_metrics(metrics, run_dir / "eval_metrics.json")
     return metrics
 
 

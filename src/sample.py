@@ -24,7 +24,7 @@ from hydra.utils import instantiate
 
 from src.checkpoints import check_matches_model, load_checked
 from src.evaluate import parse_trust, run_of_checkpoint
-from src.train import set_float_environment
+from src.runtime import set_float_environment
 
 _OWN_KEYS = ("ckpt_path", "n", "seed", "out", "trust_checkpoint")
 

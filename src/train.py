@@ -8,10 +8,7 @@
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -36,22 +33,12 @@ from src.checkpoints import (
 )
 from src.memory_estimate import MemoryEstimate
 from src.metrics.presets import apply_eval_preset
+from src.runtime import print_metrics, set_float_environment, write_json_atomic
 from src.sweep_report import install as _install_sweep_report
 
 _install_sweep_report()  # an Optuna sweep reports its failed trials and goes on (src/sweep_report.py)
 
 log = logging.getLogger(__name__)
-
-
-def write_json_atomic(path: str | Path, payload: dict) -> None:
-    """Write JSON to a temporary file in the same directory, then rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(payload, fh, indent=2, sort_keys=True)
-    os.chmod(tmp, 0o644)
-    os.replace(tmp, path)
 
 
 def build(conf: DictConfig, **kwargs):
@@ -85,15 +72,6 @@ def validate_config(cfg: DictConfig) -> None:
             "ops, and the implicit DEQ hides them inside one autograd Function. Use deq.backward=phantom with cp, "
             "or an exact/sliced loss (sm, ssm, ssm_vr, dsm) with the implicit backward"
         )
-
-
-def set_float_environment(cfg: DictConfig) -> None:
-    """Process-wide float settings of a run: ``flush_denormal`` (conf/train.yaml says why). Called first thing
-    in a run: the CPU flag is per thread, and the intra-op thread pool inherits it only if it is created after
-    (measured: set after a 2-thread op had built the pool, half the results stayed subnormal)."""
-    flush = bool(cfg.get("flush_denormal", True))
-    if not torch.set_flush_denormal(flush) and flush:
-        log.warning("flush_denormal=true is not supported by this CPU (needs SSE3); subnormal floats stay slow")
 
 
 def follow_optimization_mode(trainer_cfg: DictConfig, model: L.LightningModule) -> DictConfig:
@@ -243,7 +221,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     for lg in loggers:
         if hasattr(lg, "log_metrics"):
             lg.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))})
-    _print_metrics(metrics, out_dir)
+    print_metrics(metrics, out_dir / "metrics.json")
     return metrics
 
 
@@ -262,23 +240,6 @@ def ddp_consistency(trainer: L.Trainer, model: L.LightningModule) -> dict[str, A
     gathered = trainer.strategy.all_gather(fp).flatten().tolist()
     return {"ddp/world_size": trainer.world_size, "ddp/param_fingerprints": gathered,
             "ddp/ranks_identical": len(set(gathered)) == 1}
-
-
-def _print_metrics(metrics: dict, out_dir: Path) -> None:
-    rows = [(k, v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title=f"metrics ({out_dir / 'metrics.json'})")
-        table.add_column("metric")
-        table.add_column("value", justify="right")
-        for k, v in sorted(rows):
-            table.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
-        Console().print(table)
-    except ImportError:  # pragma: no cover
-        for k, v in sorted(rows):
-            print(f"{k}: {v}")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

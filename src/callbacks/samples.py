@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from pathlib import Path
 
 import lightning.pytorch as L
 import numpy as np
 import torch
 from PIL import Image
+
+from src.runtime import atomic_file
 
 
 def _to_uint8(images: torch.Tensor) -> np.ndarray:
@@ -65,16 +66,9 @@ def save_image_grid(images: torch.Tensor, path: str | os.PathLike, nrow: int | N
     grid = make_grid_array(images, nrow=nrow, padding=padding, pad_value=pad_value)
     img = Image.fromarray(grid[:, :, 0] if grid.shape[2] == 1 else grid)  # uint8 2-D → "L", [H, W, 3] → "RGB"
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fmt = Image.registered_extensions().get(path.suffix.lower(), "PNG")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            img.save(fh, format=fmt)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as fh:
+        img.save(fh, format=fmt)
     return path
 
 
