@@ -47,8 +47,8 @@ def test_quick_caps_existing_keys_only():
     record = apply_eval_preset(cfg, explicit=[])
     assert record["eval/preset"] == "quick" and cfg.eval.preset == "quick"
     assert cfg.model.metrics.fid.n_samples == 200
-    # the sampler is shortened as a unit: T = 4 at eps 2e-4 (the largest stable step at sigma_1 / sigma_L = 100)
-    assert cfg.model.sampling.n_steps_each == 4 and cfg.model.sampling.step_lr == pytest.approx(2e-4)
+    # the sampler is shortened as a unit: T = 4 at eps 1e-4 (one step reaches the widest level's mean)
+    assert cfg.model.sampling.n_steps_each == 4 and cfg.model.sampling.step_lr == pytest.approx(1e-4)
     assert cfg.model.sampling.denoise is False  # a key of the unit the preset does not name stays
     assert cfg.model.metrics.noise_conditional.test_points == 128
     assert cfg.model.n_samples_grid == 36
