@@ -63,7 +63,7 @@ def test_training_lowers_the_losses_and_resume_is_exact(tmp_path, shared_data):
     base = [f"data.root={shared_data}", "data.limit=160", "deq=true", "trainer.max_steps=-1",
             "trainer.val_check_interval=null", "trainer.check_val_every_n_epoch=1", "trainer.limit_val_batches=1",
             "callbacks=default", "callbacks.progress_bar=null", "model.metrics.log_likelihood=null",
-            "model.metrics.fid=null", "model.optimizer.score.lr=3e-3", "model.optimizer.vae.lr=3e-3",
+            "model.metrics.fid=null",
             "model.score_steps=2"]
     full = run([*base, "trainer.max_epochs=4"], tmp_path / "full")
     run([*base, "trainer.max_epochs=2"], tmp_path / "halves")
@@ -79,8 +79,10 @@ def test_training_lowers_the_losses_and_resume_is_exact(tmp_path, shared_data):
     assert full["test/recon_error"] == pytest.approx(resumed["test/recon_error"], rel=1e-5)
     fresh = run([f"data.root={shared_data}", "data.limit=160", "deq=true", "trainer.max_steps=1",
                  "model.metrics.log_likelihood=null", "model.metrics.fid=null"], tmp_path / "fresh")
-    assert full["test/recon_error"] < fresh["test/recon_error"] - 100  # measured 285 vs 570 nats
-    assert full["test/score_ssm_loss"] < fresh["test/score_ssm_loss"] - 5  # measured −27 vs 0.07
+    # the experiment's (the reference's) RMSprop lr 1e-3 on both optimisers: measured 235 vs 570 nats and an
+    # estimator SSM loss of −5.5 vs 0.07 (Adam at lr 3e-3, the earlier default of this test: 285 and −27)
+    assert full["test/recon_error"] < fresh["test/recon_error"] - 100
+    assert full["test/score_ssm_loss"] < fresh["test/score_ssm_loss"] - 3
     # Lightning counts every optimiser step: 4 epochs x 7 batches x (2 score + 1 vae) updates
     assert a["global_step"] == 84
 
@@ -113,7 +115,8 @@ def test_vae_mnist_uses_the_reference_estimator_and_optimiser():
     from src.objectives.ssm import ssm_vr
 
     cfg = compose_train(["experiment=vae_mnist", "logger=none"])
-    assert cfg.loss.name == "ssm_vr" and cfg.loss.projection == "gaussian" and cfg.model.projection == "gaussian"
+    # model.projection binds the projection of loss=ssm|ssm_vr (loss=dsm takes none): the built objective
+    assert cfg.loss.name == "ssm_vr" and cfg.model.projection == "gaussian"
     model = instantiate(cfg.model)
     assert model.loss_name == "ssm_vr" and model.objective.func is ssm_vr
     assert model.objective.keywords["projection"] == "gaussian"
