@@ -41,7 +41,7 @@ from src.runtime import atomic_file
 
 log = logging.getLogger(__name__)
 
-TRUST_HINT = "trust_checkpoint=true"  # the command-line opt-in for a trusted old checkpoint (README, "Resume")
+TRUST_HINT = "trust_checkpoint=true"  # the command-line opt-in for a trusted old checkpoint (docs/usage.md)
 
 
 class CheckpointError(RuntimeError):
