@@ -46,15 +46,15 @@ def test_quick_caps_existing_keys_only():
     assert cfg.model.metrics.fid.n_samples == 1000 and cfg.model.sampling.n_steps_each == 100
     record = apply_eval_preset(cfg, explicit=[])
     assert record["eval/preset"] == "quick" and cfg.eval.preset == "quick"
-    assert cfg.model.metrics.fid.n_samples == 200
+    assert cfg.model.metrics.fid.n_samples == 128
     # the sampler is shortened as a unit: T = 4 at eps 1e-4 (one step reaches the widest level's mean)
     assert cfg.model.sampling.n_steps_each == 4 and cfg.model.sampling.step_lr == pytest.approx(1e-4)
     assert cfg.model.sampling.denoise is False  # a key of the unit the preset does not name stays
-    assert cfg.model.metrics.noise_conditional.test_points == 128
+    assert cfg.model.metrics.noise_conditional.test_points == 64
     assert cfg.model.n_samples_grid == 36
     assert cfg.model.metrics.exact_sm is None  # switched off by the family: stays off
     assert "ais" not in cfg.model.get("evaluation", {}) and "ll_samples" not in cfg.model.get("evaluation", {})
-    assert record["eval/model.metrics.fid.n_samples"] == 200
+    assert record["eval/model.metrics.fid.n_samples"] == 128
     assert record["eval/model.sampling.n_steps_each"] == 4
     assert "eval/model.metrics.exact_sm.test_points" not in record
 
