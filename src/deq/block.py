@@ -18,9 +18,10 @@ import warnings
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from src.deq.config import DEQConfig
-from src.deq.implicit import fixed_point
+from src.deq.implicit import PHASE_SOLVE, fixed_point
 from src.deq.maps import ConditionalResidualMap, ConvMap, DenseMap, ResidualMap, dense_map
 from src.deq.normalization import (
     conv_lipschitz_factor,
@@ -33,6 +34,8 @@ from src.deq.solvers import SolverResult, solve
 __all__ = ["ConditionalResidualDEQBlock", "ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "ResidualDEQBlock",
            "dense_map"]
 
+PHASE_PHANTOM = "deq.phantom_steps"  # profiler label of the K phantom steps (forward; their graph is backpropagated
+# by whoever differentiates the output: the objective's trace / projection pass or the loss's backward)
 _WARM_CACHE_SIZE = 8  # batch shapes remembered: train, last smaller batch, replicated (trace) batches, eval
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -213,11 +216,13 @@ class DEQBlock(nn.Module):
             z = fixed_point(phi, z0, params, self._solver_kwargs(), self._report)
         else:  # phantom gradient, Alg. 1
             detached = tuple(p.detach() for p in params)
-            result = solve(lambda u: phi(u, *detached), z0, **self._solver_kwargs())
+            with record_function(PHASE_SOLVE):
+                result = solve(lambda u: phi(u, *detached), z0, **self._solver_kwargs())
             self._report(0, result)
             z = result.z.detach()
-            for _ in range(int(cfg.phantom_steps)):
-                z = phi(z, *params)
+            with record_function(PHASE_PHANTOM):
+                for _ in range(int(cfg.phantom_steps)):
+                    z = phi(z, *params)
         self._remember(z)
         return z
 

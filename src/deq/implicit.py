@@ -23,8 +23,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch.profiler import record_function
 
 from src.deq.solvers import SolverResult, solve
+
+# Profiler labels (benchmarks/profile_step.py groups a step's time by them; a no-op unless a profiler runs)
+PHASE_SOLVE = "deq.solve"  # forward fixed-point solve (no autograd)
+PHASE_IMPLICIT_BACKWARD = "deq.implicit_backward"  # the implicit Function's backward: adjoint solve + VJP in p
 
 Report = Callable[[int, SolverResult], None]  # (level, result): level 0 = forward solve, k ≥ 1 = k-th adjoint
 
@@ -69,7 +74,7 @@ class _FixedPoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi, solver, report, level, z0, *params):
-        with torch.no_grad():
+        with torch.no_grad(), record_function(PHASE_SOLVE if level == 0 else PHASE_IMPLICIT_BACKWARD):
             result = solve(_prepared(phi, params), z0, **solver)
         if report is not None:
             report(level, result)
@@ -83,7 +88,7 @@ class _FixedPoint(torch.autograd.Function):
         u, *params = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()  # True iff the caller asked for create_graph
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[5:]) if need]
-        with torch.enable_grad():
+        with torch.enable_grad(), record_function(PHASE_IMPLICIT_BACKWARD):
             aliases = [p.view_as(p) for p in params]
             v = _FixedPoint.apply(_Adjoint(ctx.phi), ctx.solver, ctx.report, ctx.level + 1,
                                   u_bar.detach(), u_bar, u, *aliases)

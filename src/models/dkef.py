@@ -26,18 +26,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from src.models.directional import directional_derivatives
 from src.models.features import build_feature_net
 
 ALPHA_FIT_MODES = ("exact", "sliced", "dsm")
+PHASE_ALPHA_FIT = "dkef.alpha_fit"  # profiler label of the closed-form α fit (benchmarks/profile_step.py)
 
 
 class DKEFWithAlpha:
     """The DKEF density with a given (possibly differentiable) α, as the objectives see it (``log_density(x)``)."""
+
+    independent_rows = True  # log p̃(x_n) depends on row n only: exact SM may replicate x (src/objectives/sm.py)
 
     def __init__(self, dkef: DKEF, alpha: torch.Tensor):
         self.dkef, self.alpha = dkef, alpha
@@ -47,6 +52,8 @@ class DKEFWithAlpha:
 
 
 class DKEF(nn.Module):
+    independent_rows = True  # log p̃(x_n) depends on row n only: exact SM may replicate x (src/objectives/sm.py)
+
     def __init__(
         self,
         input_dim: int,
@@ -86,6 +93,7 @@ class DKEF(nn.Module):
         # α used outside training (validation, test, sampling): fitted on training data, saved with the model
         self.register_buffer("alpha", torch.zeros(n_inducing))
         self.register_buffer("alpha_fitted", torch.tensor(False))
+        self._inducing_cache: list | None = None  # φ(inducing points) within shared_inducing_features()
 
     # ---------------------------------------------------------------- density
     def log_q0(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,9 +109,30 @@ class DKEF(nn.Module):
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
         return list(u.chunk(len(self.features), dim=-1))
 
+    @contextmanager
+    def shared_inducing_features(self):
+        """Within the block the inducing points' features φ(z) are computed once (with their graph) and reused by
+        every α fit and density evaluation: one training step's α fit and loss see the same parameters, so
+        they need φ(z) once, and its backward runs once (for DEQ features: one solve instead of two)."""
+        self._inducing_cache = []
+        try:
+            yield
+        finally:
+            self._inducing_cache = None
+
+    def _inducing_features(self) -> torch.Tensor:
+        """φ(z) of every kernel for the inducing points, [M, n_kernels * F] (shared within
+        :meth:`shared_inducing_features`)."""
+        cache = self._inducing_cache
+        if cache is None:
+            return self._all_features(self.inducing)
+        if not cache:
+            cache.append(self._all_features(self.inducing))
+        return cache[0]
+
     def kernel_matrix(self, x: torch.Tensor) -> torch.Tensor:
         """k(x_n, z_m) mixed over kernels: [N, M]."""
-        fx, fz = self._split(self._all_features(x)), self._split(self._all_features(self.inducing))
+        fx, fz = self._split(self._all_features(x)), self._split(self._inducing_features())
         rho = torch.softmax(self.kernel_logits, 0)
         out = 0.0
         for r, (u, uz) in enumerate(zip(fx, fz)):
@@ -130,7 +159,7 @@ class DKEF(nn.Module):
     def _kernel_directional(self, x: torch.Tensor, v: torch.Tensor, second: bool):
         """D_v k and D_v² k for every inducing point, [N, M] each (second is None if not asked)."""
         u, a, c = directional_derivatives(self._all_features, x, v, second=second)
-        uz_all = self._all_features(self.inducing)
+        uz_all = self._inducing_features()
         rho = torch.softmax(self.kernel_logits, 0)
         d1 = d2 = 0.0
         for r, (ur, ar, uz) in enumerate(zip(self._split(u), self._split(a), self._split(uz_all))):
@@ -190,8 +219,9 @@ class DKEF(nn.Module):
 
     def fit_alpha(self, x: torch.Tensor, mode: str = "exact", **kw) -> torch.Tensor:
         """α for the batch x (differentiable w.r.t. every parameter)."""
-        g, b, n = self.alpha_system(x, mode, **kw)
-        return self.solve_alpha(g / n, b / n)
+        with record_function(PHASE_ALPHA_FIT):
+            g, b, n = self.alpha_system(x, mode, **kw)
+            return self.solve_alpha(g / n, b / n)
 
     @torch.no_grad()
     def set_alpha(self, alpha: torch.Tensor) -> None:

@@ -23,8 +23,14 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 PROJECTIONS = ("rademacher", "gaussian")
+# Profiler labels of an objective's phases (benchmarks/profile_step.py groups a step's time by them; a no-op
+# unless a profiler runs): the score s(x) with its graph, and the derivatives of s w.r.t. x (the exact trace's D
+# reverse passes, the sliced objectives' projected ones), each with whatever runs inside (a DEQ solve keeps its own).
+PHASE_SCORE = "objective.score"
+PHASE_TRACE = "objective.trace"
 
 
 @dataclass
@@ -147,11 +153,12 @@ def compute_score(model, x: Tensor, create_graph: bool = True) -> Tensor:
     with a trace term, or a parameter update).
     """
     if has_score(model):
-        s = model.score(x)
+        with record_function(PHASE_SCORE):
+            s = model.score(x)
     elif has_log_density(model):
         if not x.requires_grad:
             x = x.detach().requires_grad_(True)
-        with torch.enable_grad():
+        with torch.enable_grad(), record_function(PHASE_SCORE):
             logp = log_density(model, x)
             s = grad_wrt(logp.sum(), x, create_graph=create_graph, retain_graph=create_graph)
     else:

@@ -22,7 +22,10 @@ routes compute the same numbers (agreement to ~1e-15 in float64; identical param
 ``"batched"``    one ``torch.autograd.grad(..., is_grads_batched=True)`` (the DEQ authors' route); same
                  limitation as ``"func"``.
 ``"auto"``       ``"func"`` when the model declares ``supports_torch_func = True`` (an explicit network
-                 that torch.func can transform); otherwise ``"replicate"`` on CUDA and ``"loop"`` on CPU.
+                 that torch.func can transform); otherwise ``"replicate"`` on CUDA; on CPU ``"replicate"``
+                 when the model declares ``independent_rows = True`` (a row's output depends on that row
+                 only: DKEF, NICE) and the replicated batch D × B has at most ``AUTO_REPLICATE_ROWS`` rows,
+                 else ``"loop"``.
 
 Measured (``benchmarks/results/objectives.md``; float32, one training step = objective + backward to the
 parameters; MLP energies with Softplus, DKEF-sized = hidden 30 × 3 layers at batch 128, NICE-sized = hidden
@@ -38,15 +41,19 @@ parameters; MLP energies with Softplus, DKEF-sized = hidden 30 × 3 layers at ba
 
 Hence ``"auto"``: ``func`` where the model says torch.func works, otherwise the route that works through
 anything twice differentiable (the implicit DEQ included): ``replicate`` on CUDA, the loop on CPU (where
-replicating does not pay and multiplies the memory by D).
+replicating a large batch does not pay and multiplies the memory by D) — except for small replicated batches
+of models whose rows are independent, where one pass beats D of them: a step of CPU work on a few thousand rows
+costs little more than on a few (benchmarks/results/speed.md: DKEF's reference exact-SM step, D × B = 176).
 """
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from .base import (
+    PHASE_TRACE,
     check_positive_int,
     compute_score,
     finalize,
@@ -67,14 +74,25 @@ def check_trace_route(route: str) -> str:
     return route
 
 
-def resolve_trace_route(route: str, device: torch.device, model=None) -> str:
-    """The concrete route for ``route`` ("auto" resolved; see the module docstring)."""
+# "auto" on a CPU: replicate (one pass) when the model declares independent rows and the replicated batch has at
+# most this many rows (D × B); the loop otherwise. DKEF at the reference protocol (D = 11, 16 points: 176 rows):
+# 1.7× faster training step with DEQ features, 2.1× with the 3-layer ones (benchmarks/results/speed.md).
+AUTO_REPLICATE_ROWS = 4096
+
+
+def resolve_trace_route(route: str, device: torch.device, model=None, rows: int | None = None) -> str:
+    """The concrete route for ``route`` ("auto" resolved; see the module docstring). ``rows``: D × B, the size
+    of the replicated batch (the CPU choice between ``replicate`` and ``loop`` needs it)."""
     check_trace_route(route)
     if route != "auto":
         return route
     if getattr(model, "supports_torch_func", False):
         return "func"
-    return "replicate" if torch.device(device).type == "cuda" else "loop"
+    if torch.device(device).type == "cuda":
+        return "replicate"
+    if getattr(model, "independent_rows", False) and rows is not None and rows <= AUTO_REPLICATE_ROWS:
+        return "replicate"
+    return "loop"
 
 
 # ------------------------------------------------------------------------------------------------ routes
@@ -184,14 +202,15 @@ def hessian_trace(
     max_copies_per_pass: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Score and exact trace ``tr ∇ₓ s(x)`` per sample: ``(s [B, D], tr [B])``. See the module docstring."""
-    route = resolve_trace_route(trace_route, x.device, model)
-    if route == "loop":
-        return _trace_loop(model, x, create_graph)
-    if route == "replicate":
-        return _trace_replicate(model, x, create_graph, max_copies_per_pass)
-    if route == "func":
-        return _trace_func(model, x, create_graph)
-    return _trace_batched(model, x, create_graph)
+    route = resolve_trace_route(trace_route, x.device, model, rows=x.shape[0] * x[0].numel())
+    with record_function(PHASE_TRACE):
+        if route == "loop":
+            return _trace_loop(model, x, create_graph)
+        if route == "replicate":
+            return _trace_replicate(model, x, create_graph, max_copies_per_pass)
+        if route == "func":
+            return _trace_func(model, x, create_graph)
+        return _trace_batched(model, x, create_graph)
 
 
 @needs_autograd

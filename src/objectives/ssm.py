@@ -16,8 +16,10 @@ from __future__ import annotations
 
 import torch
 from torch import Tensor
+from torch.profiler import record_function
 
 from .base import (
+    PHASE_TRACE,
     as_projections,
     check_positive_int,
     check_projection,
@@ -43,11 +45,12 @@ def _sliced(model, x, n_projections, projection, create_graph, v, generator):
     )
     proj_sq = torch.zeros(s.shape[0], dtype=s.dtype, device=s.device)
     quad = torch.zeros_like(proj_sq)
-    for m in range(n_projections):
-        vs = (s * v[m]).sum(-1)  # vᵀs, [B]
-        g = flat(grad_wrt(vs.sum(), xl, create_graph=create_graph))  # ∇ₓ(vᵀs)
-        proj_sq = proj_sq + 0.5 * vs**2
-        quad = quad + (g * v[m]).sum(-1)  # vᵀ ∇ₓ(vᵀs) = vᵀ (∇ₓ s) v
+    with record_function(PHASE_TRACE):
+        for m in range(n_projections):
+            vs = (s * v[m]).sum(-1)  # vᵀs, [B]
+            g = flat(grad_wrt(vs.sum(), xl, create_graph=create_graph))  # ∇ₓ(vᵀs)
+            proj_sq = proj_sq + 0.5 * vs**2
+            quad = quad + (g * v[m]).sum(-1)  # vᵀ ∇ₓ(vᵀs) = vᵀ (∇ₓ s) v
     return s, proj_sq / n_projections, quad / n_projections
 
 
