@@ -35,18 +35,22 @@ def _save(fig, out_dir: Path, name: str) -> None:
 
 # ------------------------------------------------------------------------------------------ Theorem 1
 def deq_regions(net: DEQNet):
-    """Exact PL map of a 1-input ReLU DEQNet whose W is strictly lower-triangular (nilpotent), else None."""
+    """The PL map x ↦ output of a 1-input ReLU DEQNet with one layer in f on [0, 1] (else None): unrolled
+    exactly when its W (as the forward uses it, after normalisation) is strictly lower-triangular, hence
+    nilpotent (Theorem 1's construction); otherwise walked piece by piece through its activation patterns
+    (:func:`src.studies.regions.relu_deq_pl`: a trained DEQ, whose normalised W contracts)."""
     b = net.block
-    if b.in_dim != 1 or b.n_layers != 1 or b.activation != "relu":
+    if b.in_dim != 1 or b.n_layers != 1 or b.activation != "relu" or not isinstance(b.injection, torch.nn.Linear):
         return None
     with torch.no_grad():
         params = [p.double().numpy() for p in b.map_params(torch.zeros(1, 1, dtype=b.weights[0].dtype))]
     W = params[1]
-    if np.any(np.triu(W) != 0):
-        return None
     u = b.injection.weight.detach().double().numpy()[:, 0]
     c = b.injection.bias.detach().double().numpy()
-    z = rg.relu_deq_unrolled(W, u, c, b.width, exact=False)
+    if np.any(np.triu(W) != 0):
+        z = rg.relu_deq_pl(W, u, c, 0.0, 1.0)
+    else:
+        z = rg.relu_deq_unrolled(W, u, c, b.width, exact=False)
     return z.affine(net.readout.weight.detach().double().numpy(), net.readout.bias.detach().double().numpy())
 
 

@@ -159,6 +159,66 @@ def relu_deq_unrolled(W, U, c, n_iter: int, a=0, b=1, exact: bool = True) -> Pie
     return PiecewiseLinear(state.knots, state.values[:, 1:])
 
 
+def relu_deq_fixed_point(W, U, c, x, max_iter: int = 100_000, tol: float = 1e-13) -> np.ndarray:
+    """z* [len(x), m] of z = ReLU(W z + U x + c) for scalar inputs x, by Picard iteration in float64 (it
+    converges when the map contracts, e.g. ‖W‖₂ < 1, or when W is nilpotent); raises if it does not."""
+    W, U, c = (np.asarray(a, dtype=np.float64) for a in (W, U, c))
+    xu = np.asarray(x, dtype=np.float64).reshape(-1, 1) * U.reshape(1, -1) + c
+    z = np.zeros_like(xu)
+    for _ in range(int(max_iter)):
+        new = np.maximum(z @ W.T + xu, 0.0)
+        if np.abs(new - z).max() <= tol * max(1.0, np.abs(new).max()):
+            return new
+        z = new
+    raise RuntimeError(f"Picard iteration of the ReLU DEQ did not converge in {max_iter} steps")
+
+
+def relu_deq_pl(W, U, c, a: float = 0.0, b: float = 1.0, probe: float = 1e-9,
+                max_pieces: int = 1_000_000) -> PiecewiseLinear:
+    """The fixed point z*(x) of a 1-input ReLU DEQ z = ReLU(W z + U x + c) on [a, b] as a float PL map, for any
+    W whose fixed point is unique and reached by Picard iteration (a trained DEQ's normalised W, ‖W‖₂ < 1, or a
+    nilpotent W such as Theorem 1's).
+
+    Walks [a, b] piece by piece. On a piece the activation pattern D (D_ii = 1 where neuron i is active) is
+    fixed, so z* = D(W z* + U x + c) is affine: z*(x) = (I − DW)⁻¹ D (U x + c). The piece ends where a
+    pre-activation p(x) = W z*(x) + U x + c (affine too) first changes sign against D. The next piece's
+    pattern is read from the fixed point (:func:`relu_deq_fixed_point`) at ``probe`` × (b − a) past that end,
+    so a piece shorter than that could be missed; within a piece the map is exact up to float rounding.
+    """
+    W, U, c = (np.asarray(v, dtype=np.float64) for v in (W, U, c))
+    U = U.reshape(-1)
+    m = len(c)
+    eye = np.eye(m)
+    h = probe * (b - a)
+    knots, values = [], []
+    x = float(a)
+    while True:
+        xp = min(x + h, 0.5 * (x + b))
+        z = relu_deq_fixed_point(W, U, c, [xp])[0]
+        active = (z @ W.T + xp * U + c) > 0
+        D = np.diag(active.astype(np.float64))
+        M = eye - D @ W
+        slope, icpt = np.linalg.solve(M, D @ U), np.linalg.solve(M, D @ c)
+        p1, p0 = W @ slope + U, W @ icpt + c  # pre-activation p(x) = p1 x + p0 on this piece
+        sign = np.where(active, 1.0, -1.0)
+        # the piece holds while sign·p ≥ 0: it ends at the first root beyond the probe of a component heading down
+        down = sign * p1 < -1e-300
+        roots = -p0[down] / p1[down]
+        roots = roots[roots > xp]
+        end = min(float(b), float(roots.min())) if len(roots) else float(b)
+        if not knots:
+            knots.append(x)
+            values.append(slope * x + icpt)
+        knots.append(end)
+        values.append(slope * end + icpt)
+        if end >= b:
+            break
+        if len(knots) > max_pieces:
+            raise RuntimeError(f"more than {max_pieces} linear pieces on [{a}, {b}]")
+        x = end
+    return PiecewiseLinear(np.array(knots), np.array(values))
+
+
 # ----------------------------------------------------------------------- Theorem 1's construction
 def theorem1_weights(m: int, exact: bool = False):
     """(W [m, m], u [m], c [m]) of the rebuttal's construction: f(z; x₁) = ReLU(W z + u x₁ + c), c = −b = −1."""
