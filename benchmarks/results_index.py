@@ -43,6 +43,8 @@ SHOWS = {
                          "architecture the cause of the 0.5 vs 0.28 memory-ratio gap?",
     "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "
                          "steps and wall time for RefineNet, TwoRes, DEQ and DEQ (spectral norm); sample grids.",
+    "ncsn_mnist_curves_corrected": "`ncsn_mnist_curves` re-run after issue 29 (the reference's Langevin step at "
+                                   "step_lr 2e-5, T = 20); before/after in `notes/issue29_remeasure.md`.",
     "ncsn_mnist_curves_long": "The NCSN MNIST curves to 2000-3000 steps (RefineNet, TwoRes, DEQ with spectral norm "
                               "and the implicit backward), one process per variant, merged.",
     "ncsn_mnist_curves_spectral_implicit": "DEQ-NCSN (spectral norm) trained with the implicit backward "
@@ -60,6 +62,8 @@ SHOWS = {
     "nice_parts/nice_cuda_seed0": "A part of the NICE grid run on a GPU (seed 0, `--device cuda`).",
     "notes/dkef_issue14": "The note printed above `dkef.md`'s tables (`--note`): the DEQ rows re-measured with "
                           "the linear injection.",
+    "notes/issue29_remeasure": "Before/after of the NCSN and VAE MNIST curves re-measured with the corrected "
+                               "Langevin step, AIS and VAE estimator (issue 29), and what else differs.",
     "notes/nice_issue14": "The note printed above `nice.md`'s tables (`--note`): NICE Table 4 with the linear "
                           "injection, 3 seeds.",
     "objectives": "Time of one training step of each score-matching objective and exact-trace route at D = 11 to "
@@ -74,6 +78,9 @@ SHOWS = {
                               "after training with each estimator.",
     "vae_memory": "Paper Table 1 at the CIFAR-10 and CelebA sizes: parameters, saved bytes and time of one SSM-VAE "
                   "training iteration, SSM VAE vs Aug(8), Aug(16), DEQ.",
+    "vae_mnist_curves_corrected": "`vae_mnist_curves` re-run after issue 29 (SSM-VR, RMSprop, pilot-adapted "
+                                  "AIS; AIS on 500 test images at the last checkpoint); before/after in "
+                                  "`notes/issue29_remeasure.md`.",
     "vae_mnist_curves": "Paper Table 1 protocol on binarised MNIST, 12000 steps: FID, AIS log p(x), "
                         "reconstruction and the estimator's SSM loss against steps for SSM VAE, Aug(8), Aug(16) and "
                         "DEQ; sample grids.",
