@@ -42,15 +42,20 @@ SHOWS = {
     "ncsn_memory_cause": "Score-graph memory of deqsm's NCSN variants and of the authors' code's networks: is the "
                          "architecture the cause of the 0.5 vs 0.28 memory-ratio gap?",
     "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "
-                         "steps and wall time for RefineNet, TwoRes, DEQ and DEQ (spectral norm); sample grids.",
+                         "steps and wall time for RefineNet, TwoRes, DEQ and DEQ (spectral norm); sample grids."
+                         " Measured before issue 29 (the old half Langevin step).",
     "ncsn_mnist_curves_corrected": "`ncsn_mnist_curves` re-run after issue 29 (the reference's Langevin step at "
                                    "step_lr 2e-5, T = 20); before/after in `notes/issue29_remeasure.md`.",
     "ncsn_mnist_curves_long": "The NCSN MNIST curves to 2000-3000 steps (RefineNet, TwoRes, DEQ with spectral norm "
-                              "and the implicit backward), one process per variant, merged.",
+                              "and the implicit backward), one process per variant, merged."
+                              " Measured before issue 29 (the old half Langevin step).",
     "ncsn_mnist_curves_spectral_implicit": "DEQ-NCSN (spectral norm) trained with the implicit backward "
-                                           "(`deq.backward=implicit`), 600 steps.",
-    "ncsn_mnist_curves_spectral_k2": "DEQ-NCSN (spectral norm) with K = 2 phantom steps (the default), 600 steps.",
-    "ncsn_mnist_curves_spectral_k8": "DEQ-NCSN (spectral norm) with K = 8 phantom steps, 600 steps.",
+                                           "(`deq.backward=implicit`), 600 steps."
+                                           " Measured before issue 29 (the old half Langevin step).",
+    "ncsn_mnist_curves_spectral_k2": "DEQ-NCSN (spectral norm) with K = 2 phantom steps (the default), 600 steps."
+                                     " Measured before issue 29 (the old half Langevin step).",
+    "ncsn_mnist_curves_spectral_k8": "DEQ-NCSN (spectral norm) with K = 8 phantom steps, 600 steps."
+                                     " Measured before issue 29 (the old half Langevin step).",
     "ncsn_phantom_bias": "Per checkpoint: the SSM-VR loss with the phantom backward (K = 1, 2, 4, 8) vs the exact "
                          "implicit one, and the learned map's contraction rate.",
     "ncsn_sampler_drift": "Annealed Langevin trajectories vs noisy data per noise level: the network's predicted "
@@ -83,13 +88,18 @@ SHOWS = {
                                   "`notes/issue29_remeasure.md`.",
     "vae_mnist_curves": "Paper Table 1 protocol on binarised MNIST, 12000 steps: FID, AIS log p(x), "
                         "reconstruction and the estimator's SSM loss against steps for SSM VAE, Aug(8), Aug(16) and "
-                        "DEQ; sample grids.",
+                        "DEQ; sample grids."
+                        " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
     "vae_mnist_curves_lr1e-4": "The VAE curves with both learning rates 1e-4, 24000 steps, AIS on 100 test images "
-                               "at the last checkpoint.",
+                               "at the last checkpoint."
+                               " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
     "vae_mnist_curves_lr1e-4_no_entropy": "The SSM VAE without the entropy term (`model.entropy_weight=0`), "
-                                          "lr 1e-4, 24000 steps: what the score estimator contributes.",
-    "vae_mnist_curves_lr1e-4_seed1": "The lr 1e-4 VAE curves again with seed 1.",
-    "vae_mnist_curves_score_lr1e-4": "The VAE curves with the score estimator's learning rate 1e-4, 12000 steps.",
+                                          "lr 1e-4, 24000 steps: what the score estimator contributes."
+                                          " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
+    "vae_mnist_curves_lr1e-4_seed1": "The lr 1e-4 VAE curves again with seed 1."
+                                     " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
+    "vae_mnist_curves_score_lr1e-4": "The VAE curves with the score estimator's learning rate 1e-4, 12000 steps."
+                                     " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
 }
 FIGURES = {  # figures whose name does not say what they show
     "dkef_fig2_uci": "paper Figure 2: test SM loss, LL, memory and time per method on the UCI data sets",
