@@ -17,7 +17,7 @@ For each T and rule: the mean over images of (estimate − exact) ± its standar
 estimates above the exact value. An unbiased AIS has E[estimate] ≤ exact (Jensen), the gap shrinking with T.
 
 ``--vae-ckpt`` adds a trained VAE checkpoint (``model=vae``): AIS log p(x) of its first ``--vae-images``
-test images with the per-chain and the pilot rule (its ``model.evaluation.ais`` settings otherwise).
+test images with the per-chain and the pilot rule (its ``model.metrics.log_likelihood.ais`` settings otherwise).
 
     python benchmarks/ais_bias.py --root <data dir> [--images 8] [--steps 1000 3000]
         [--rules per_chain pilot global] [--vae-ckpt PATH --vae-images 50 --vae-steps 1000]

@@ -117,7 +117,7 @@ def eval_overrides(grid_name: str, args) -> list[str]:
     extra = args.eval_extra.split()
     if grid_name == "vae":
         return [f"model.metrics.fid.n_samples={args.fid_samples}",
-                f"model.evaluation.ais.test_points={args.ais_points}", *extra]
+                f"model.metrics.log_likelihood.test_points={args.ais_points}", *extra]
     return [f"model.metrics.fid.n_samples={args.fid_samples}", *extra]
 
 
@@ -162,9 +162,10 @@ def evaluate_final(run: dict, run_dir: Path, args, evaluate) -> None:
     done = run.get("final") or {}
     if done.get("checkpoint") == last.name and done.get("ais_points") == n:
         return
-    overrides = [o for o in eval_overrides("vae", args) if not o.startswith("model.evaluation.ais.test_points=")]
+    overrides = [o for o in eval_overrides("vae", args)
+                 if not o.startswith("model.metrics.log_likelihood.test_points=")]
     t0 = time.time()
-    metrics = evaluate(last, [*overrides, f"model.evaluation.ais.test_points={n}"])
+    metrics = evaluate(last, [*overrides, f"model.metrics.log_likelihood.test_points={n}"])
     run["final"] = checkpoint_facts(last) | {"checkpoint": last.name, "ais_points": n, "eval_s": time.time() - t0,
                                              "metrics": {k: v for k, v in metrics.items()
                                                          if isinstance(v, (int, float))}}

@@ -7,6 +7,10 @@ the option name ``"true"``/``"false"`` before Hydra builds the defaults list. No
 boolean for a plain key stays a boolean. Installed on ``import src`` (every entry point imports it), so
 ``hydra.compose(..., overrides=["deq=true"])`` works in tools that import the package first.
 
+Every composition (command line, ``hydra.compose``, each sweep trial) is also checked for config keys that moved
+(:data:`src.configs.MOVED_KEYS`): an override or a config file naming one is refused with one line naming the
+new key, before Hydra's own "Could not override" (which would not say where the key went).
+
 It also registers the ``sweep_direction`` resolver: ``${sweep_direction:${optimized_metric_mode}}`` turns the
 checkpoint callback's ``min``/``max`` into the Optuna sweeper's ``minimize``/``maximize`` (conf/hparams_search/).
 """
@@ -48,4 +52,30 @@ def install() -> None:
         original(self, repo, overrides_list)
 
     defaults_list.Overrides.__init__ = __init__
+    _refuse_moved_keys_on_compose()
     _INSTALLED = True
+
+
+def _refuse_moved_keys_on_compose() -> None:
+    """Before Hydra applies the command-line overrides to the composed config (config files merged, struct
+    set), refuse a moved key in either with :func:`src.configs.moved_key_message`'s line."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+
+    from src.configs import moved_key_message, refuse_moved_keys
+
+    original = ConfigLoaderImpl._apply_overrides_to_config
+
+    @functools.wraps(original)
+    def apply_overrides(overrides, cfg):
+        for override in overrides:
+            message = moved_key_message(override.key_or_group)
+            if message is not None:
+                raise ConfigCompositionException(message)
+        try:
+            refuse_moved_keys(cfg, "a config file")
+        except ValueError as exc:
+            raise ConfigCompositionException(str(exc)) from None
+        original(overrides, cfg)
+
+    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_overrides)

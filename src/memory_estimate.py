@@ -34,6 +34,7 @@ import lightning.pytorch as L
 import torch
 
 from src.callbacks.profiling import SavedTensorsMeter
+from src.metrics.evaluation import seeded_rng
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,7 @@ def _side_effect_free(module: L.LightningModule):
     module.log_dict = lambda *a, **k: None
     module.manual_update = lambda name, loss: loss.backward()
     try:
-        with torch.random.fork_rng(devices=[module.device] if module.device.type == "cuda" else []):
+        with seeded_rng(None, module.device):  # the probes' draws leave the RNG states as they were
             yield
     finally:
         for name, value in saved.items():

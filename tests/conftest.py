@@ -27,8 +27,8 @@ FAST_MODEL = [
     "logger=none",
     "callbacks=minimal",
     "model.n_inducing=16",
-    "model.evaluation.alpha_fit_points=48",
-    "model.evaluation.ll_samples=2000",
+    "model.alpha_refit_points=48",
+    "model.metrics.log_likelihood.samples=2000",
 ]
 SMALL_GAUSSIAN = ["data.n_train=96", "data.n_val=32", "data.n_test=32", "data.batch_size=16"]
 FAST = [*FAST_MODEL, *SMALL_GAUSSIAN]

@@ -90,8 +90,9 @@ def assert_same_gradients(a: dict, b: dict, rel: float = 1e-5) -> None:
 VAE = ["experiment=vae_mnist", "callbacks=minimal", "data.limit=256", "data.batch_size=8", "data.eval_batch_size=16",
        "model.latent_dim=4", "model.hidden=16", "model.channels=8", "deq=false", "trainer.max_steps=4",
        "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "model.metrics.vae.val_points=8",
-       "model.evaluation.ais.n_steps=5", "model.evaluation.ais.n_chains=2", "model.evaluation.ais.leapfrog=2",
-       "model.evaluation.ais.test_points=6", "model.metrics.fid.n_samples=8", "trainer.limit_test_batches=1",
+       "model.metrics.log_likelihood.ais.n_steps=5", "model.metrics.log_likelihood.ais.n_chains=2",
+       "model.metrics.log_likelihood.ais.leapfrog=2", "model.metrics.log_likelihood.test_points=6",
+       "model.metrics.fid.n_samples=8", "trainer.limit_test_batches=1",
        "model.n_samples_grid=0"]
 
 

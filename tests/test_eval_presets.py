@@ -53,7 +53,8 @@ def test_quick_caps_existing_keys_only():
     assert cfg.model.metrics.noise_conditional.test_points == 64
     assert cfg.model.n_samples_grid == 36
     assert cfg.model.metrics.exact_sm is None  # switched off by the family: stays off
-    assert "ais" not in cfg.model.get("evaluation", {}) and "ll_samples" not in cfg.model.get("evaluation", {})
+    assert "log_likelihood" not in cfg.model.metrics  # NCSN has no likelihood: quick's AIS/IS caps skipped
+    assert not any(key.startswith("eval/model.metrics.log_likelihood") for key in record)
     assert record["eval/model.metrics.fid.n_samples"] == 128
     assert record["eval/model.sampling.n_steps_each"] == 4
     assert "eval/model.metrics.exact_sm.test_points" not in record
@@ -75,17 +76,22 @@ def test_quick_keeps_smaller_values_and_command_line_keys():
 def test_paper_sets_the_paper_protocol():
     cfg = compose_train(["experiment=vae_mnist", "eval=paper"])
     record = apply_eval_preset(cfg, explicit=[])
-    ais = cfg.model.evaluation.ais
-    assert (ais.n_steps, ais.n_chains, ais.leapfrog, ais.test_points) == (1000, 16, 10, 10000)
+    ll = cfg.model.metrics.log_likelihood
+    assert (ll.ais.n_steps, ll.ais.n_chains, ll.ais.leapfrog, ll.test_points) == (1000, 16, 10, 10000)
     assert cfg.model.metrics.fid.n_samples == 10000 and cfg.model.metrics.vae.test_points is None
-    assert record["eval/model.evaluation.ais.n_steps"] == 1000
+    assert record["eval/model.metrics.log_likelihood.ais.n_steps"] == 1000
+    assert "eval/model.metrics.log_likelihood.samples" not in record  # DKEF's key: the VAE has none
     cfg = compose_train(["experiment=ncsn_mnist", "eval=paper"])
     apply_eval_preset(cfg, explicit=[])
     assert cfg.model.sampling.n_steps_each == 100 and cfg.model.sampling.step_lr == pytest.approx(2e-5)
     assert cfg.trainer.limit_test_batches is None  # the whole test set (the experiment tests 2 batches)
-    cfg = compose_train(["experiment=dkef_uci", "data=redwine", "eval=paper", "model.evaluation.ll_samples=10"])
-    apply_eval_preset(cfg, explicit=["model.evaluation.ll_samples"])
-    assert cfg.model.evaluation.ll_samples == 10 and "fid" not in cfg.model.metrics
+    cfg = compose_train(["experiment=dkef_uci", "data=redwine", "eval=paper",
+                         "model.metrics.log_likelihood.samples=10"])
+    apply_eval_preset(cfg, explicit=["model.metrics.log_likelihood.samples"])
+    assert cfg.model.metrics.log_likelihood.samples == 10 and "fid" not in cfg.model.metrics
+    cfg = compose_train(["experiment=dkef_uci", "data=redwine", "eval=paper"])
+    assert cfg.model.metrics.log_likelihood.samples == 1000000  # the experiment's (model default 1e5)
+    assert cfg.model.metrics.log_likelihood.proposal_std == 2.0
 
 
 def test_standard_changes_nothing():
@@ -105,7 +111,7 @@ def test_preset_and_its_counts_reach_metrics_json(tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["eval/preset"] == "quick"
     assert saved["eval/model.metrics.exact_sm.test_points"] == 256       # the cap of quick, not the 300 asked
-    assert saved["eval/model.evaluation.ll_samples"] == 2000             # FAST's smaller value stays
+    assert saved["eval/model.metrics.log_likelihood.samples"] == 2000    # FAST's smaller value stays
     assert saved["test/sm_loss_n_points"] == 32                          # the whole (32-point) test set
     assert saved["config"]["eval"]["preset"] == "quick"
 
@@ -114,7 +120,7 @@ def test_command_line_run_states_its_preset(tmp_path):
     """Through Hydra: the start-up log names the preset, why, and what it changed; a config-group choice on the
     command line (model=dkef) is not mistaken for a key the user set, a plain key is."""
     cmd = [sys.executable, "-m", "src.train", "model=dkef", *FAST, "trainer.max_steps=3",
-           "trainer.enable_progress_bar=false", "model.evaluation.ll_samples=200000", f"hydra.run.dir={tmp_path}"]
+           "trainer.enable_progress_bar=false", "model.metrics.log_likelihood.samples=200000", f"hydra.run.dir={tmp_path}"]
     done = subprocess.run(cmd, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -122,7 +128,7 @@ def test_command_line_run_states_its_preset(tmp_path):
     assert ("evaluation preset: quick (eval=auto: a CPU run of 3 steps (<= eval.quick_max_steps=2000)); "
             "model.metrics.exact_sm.test_points=256 (was None)") in log
     saved = json.loads((tmp_path / "metrics.json").read_text())
-    assert saved["eval/model.evaluation.ll_samples"] == 200000  # given on the command line: above quick's cap
+    assert saved["eval/model.metrics.log_likelihood.samples"] == 200000  # on the command line: above quick's cap
     assert saved["eval/model.metrics.exact_sm.test_points"] == 256
 
 

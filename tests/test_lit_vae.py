@@ -17,8 +17,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 # tiny MNIST VAE: 256 images, batch 16, D_z 4, a small AIS and FID
 TINY = ["experiment=vae_mnist", "logger=none", "callbacks=minimal", "data.limit=256", "data.batch_size=16",
         "data.eval_batch_size=32", "model.latent_dim=4", "model.hidden=16", "model.channels=8",
-        "model.evaluation.ais.n_steps=5", "model.evaluation.ais.n_chains=2", "model.evaluation.ais.leapfrog=2",
-        "model.evaluation.ais.test_points=8", "model.metrics.vae.val_points=16", "model.metrics.fid.n_samples=16",
+        "model.metrics.log_likelihood.ais.n_steps=5", "model.metrics.log_likelihood.ais.n_chains=2",
+        "model.metrics.log_likelihood.ais.leapfrog=2", "model.metrics.log_likelihood.test_points=8",
+        "model.metrics.vae.val_points=16", "model.metrics.fid.n_samples=16",
         "trainer.enable_progress_bar=false"]
 
 

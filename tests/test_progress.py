@@ -62,8 +62,8 @@ def test_langevin_sampling_reports_levels_times_steps(shared_data, advances):
 
 def test_ais_reports_every_annealing_step(shared_data, advances):
     cfg = compose_train(["experiment=vae_mnist", f"data.root={shared_data}", "model.latent_dim=2", "model.hidden=8",
-                         "model.channels=4", "model.evaluation.ais.n_steps=7", "model.evaluation.ais.n_chains=2",
-                         "model.evaluation.ais.leapfrog=1"])
+                         "model.channels=4", "model.metrics.log_likelihood.ais.n_steps=7",
+                         "model.metrics.log_likelihood.ais.n_chains=2", "model.metrics.log_likelihood.ais.leapfrog=1"])
     module = _attach(build(cfg.model), progress_bar=True)
     x = torch.bernoulli(torch.full((3, 1, 28, 28), 0.3))
     ll = module.log_likelihood_metrics(x)["log_likelihood"]

@@ -168,7 +168,7 @@ class DeqsmModule(L.LightningModule):
     ignored_loss_keys: tuple[str, ...] = ()  # loss-config keys the family replaces (NCSN: sigma)
 
     def __init__(self, optimizer: Mapping | None = None, metrics: Mapping | None = None,
-                 evaluation: Mapping | None = None, monitor: str | None = None, monitor_mode: str | None = None,
+                 monitor: str | None = None, monitor_mode: str | None = None,
                  loss: Mapping | None = None, loss_bound: Mapping | None = None):
         """``monitor`` / ``monitor_mode``: the family's default ``optimized_metric`` (conf/train.yaml reads
         them from the model config); the module itself only records them. ``loss``: the ``model.loss`` config,
@@ -187,7 +187,6 @@ class DeqsmModule(L.LightningModule):
         self.optimizer_cfg = dict(as_plain(optimizer) or {})
         for name, spec in self.optimizer_specs().items():  # bad optimiser settings: one line, at start-up
             optimizer_arguments(spec, self._optimizer_key(name))
-        self.evaluation_cfg = dict(as_plain(evaluation) or {})
         self.eval_metrics = build_metrics(as_plain(metrics))
         self.manual_clip: dict[str, Any] = {}
         self.n_samples_grid = 0  # generative families: samples.png of this many samples at the end of the test

@@ -3,8 +3,9 @@
 Training step (reference protocol, ``update_alpha``): the batch is split in two halves X_t and X_v; α is
 fitted on X_t by the closed form matching the objective (``src/models/dkef.py``), and the objective is
 computed on X_v with that α, so gradients flow through α into every parameter. Before validation and test,
-α is refitted on ``evaluation.alpha_fit_points`` training points (exact fit) and stored in the model.
-Test log-likelihood: importance sampling of log Z with proposal N(0, std² I), as the reference code.
+α is refitted on ``alpha_refit_points`` training points (exact fit) and stored in the model.
+Test log-likelihood (``model.metrics.log_likelihood``): importance sampling of log Z with ``samples`` draws
+from the proposal N(0, ``proposal_std``² I), as the reference code.
 """
 
 from __future__ import annotations
@@ -14,12 +15,15 @@ from collections.abc import Mapping
 import torch
 
 from src.lit.base import ScoreMatchingModule, as_plain
+from src.metrics.evaluation import metric_options
 from src.models.dkef import ALPHA_FIT_MODES, DKEF
 from src.objectives.base import ObjectiveOutput
 
 # Which closed-form α fit goes with which objective (reference code: exact for SM, sliced for SSM(-VR),
 # the denoising form for DSM; CP uses the cheap unbiased sliced fit).
 AUTO_ALPHA_FIT = {"sm": "exact", "ssm": "sliced", "ssm_vr": "sliced", "cp": "sliced", "dsm": "dsm"}
+# model.metrics.log_likelihood: importance samples of Z and the proposal's standard deviation
+LOG_LIKELIHOOD_DEFAULTS = {"samples": 100_000, "proposal_std": 2.0}
 
 
 class DKEFLitModule(ScoreMatchingModule):
@@ -37,20 +41,21 @@ class DKEFLitModule(ScoreMatchingModule):
         log_lambda_init: float = -2.0,
         q0_std: float = 2.0,
         alpha_fit: str = "auto",
+        alpha_refit_points: int = 1000,
         optimizer: Mapping | None = None,
-        evaluation: Mapping | None = None,
         metrics: Mapping | None = None,
     ):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
-        loss, deq, optimizer, evaluation, metrics = (
-            as_plain(c) for c in (loss, deq, optimizer, evaluation, metrics))
+        loss, deq, optimizer, metrics = (as_plain(c) for c in (loss, deq, optimizer, metrics))
         if loss and loss.get("name") == "mle":
             raise ValueError(
                 "loss=mle needs a model with a tractable likelihood (model=nice); DKEF's normaliser is "
                 "intractable. Use loss=sm|ssm|ssm_vr|dsm|cp with model=dkef."
             )
-        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics, evaluation=evaluation)
+        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics)
         self.save_hyperparameters()
+        self.alpha_refit_points = int(alpha_refit_points)
+        self.log_likelihood_options = metric_options(metrics, "log_likelihood", LOG_LIKELIHOOD_DEFAULTS)
         if alpha_fit == "auto":
             alpha_fit = AUTO_ALPHA_FIT.get(self.loss_name, "exact")
         if alpha_fit not in ALPHA_FIT_MODES:
@@ -84,14 +89,13 @@ class DKEFLitModule(ScoreMatchingModule):
             raise ValueError("DKEF training needs batches of at least 2 points (α fit half + loss half)")
         half = x.shape[0] // 2
         x_fit, x_loss = x[:half], x[half:]
-        with self.net.shared_inducing_features():  # φ(inducing points) once for the fit and the loss
-            alpha = self.net.fit_alpha(x_fit, self.alpha_fit, **self._alpha_kwargs())
-            return self.objective(self.net.with_alpha(alpha), x_loss)
+        alpha = self.net.fit_alpha(x_fit, self.alpha_fit, **self._alpha_kwargs())
+        return self.objective(self.net.with_alpha(alpha), x_loss)
 
     def refit_alpha(self) -> None:
-        """Exact α on (up to) ``alpha_fit_points`` training points, stored in the model for evaluation."""
+        """Exact α on (up to) ``alpha_refit_points`` training points, stored in the model for evaluation."""
         data = self.split_tensor("train")
-        n = int(self.evaluation_cfg.get("alpha_fit_points", 1000))
+        n = self.alpha_refit_points
         if data.shape[0] > n:
             g = torch.Generator().manual_seed(1234)
             data = data[torch.randperm(data.shape[0], generator=g)[:n].to(data.device)]
@@ -103,10 +107,11 @@ class DKEFLitModule(ScoreMatchingModule):
 
     def on_test_epoch_start(self):
         self.refit_alpha()
-        n = int(self.evaluation_cfg.get("ll_samples", 100_000))
-        std = float(self.evaluation_cfg.get("ll_proposal_std", 2.0))
-        g = torch.Generator().manual_seed(0)  # the same estimate on every rank and in every re-evaluation
-        self._log_z = self.net.log_normalizer(n_samples=n, proposal_std=std, generator=g)
+        options = self.log_likelihood_options
+        if options is not None:  # log Z only for the log-likelihood metric
+            g = torch.Generator().manual_seed(0)  # the same estimate on every rank and in every re-evaluation
+            self._log_z = self.net.log_normalizer(n_samples=int(options["samples"]),
+                                                  proposal_std=float(options["proposal_std"]), generator=g)
         super().on_test_epoch_start()
 
     def log_likelihood_metrics(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -54,15 +54,14 @@ class NCSNLitModule(ScoreMatchingModule):
         n_samples_grid: int = 64,
         val_seed: int = 0,
         optimizer: Mapping | None = None,
-        evaluation: Mapping | None = None,
         metrics: Mapping | None = None,
         monitor: str | None = "val/dsm_loss",
         monitor_mode: str | None = "min",
     ):
-        loss, deq, noise, sampling, optimizer, evaluation, metrics = (
-            as_plain(c) for c in (loss, deq, noise, sampling, optimizer, evaluation, metrics))
-        super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation, monitor=monitor,
-                         monitor_mode=monitor_mode, loss=loss)
+        loss, deq, noise, sampling, optimizer, metrics = (
+            as_plain(c) for c in (loss, deq, noise, sampling, optimizer, metrics))
+        super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
+                         loss=loss)
         self.save_hyperparameters()
         self.anneal_power = float(anneal_power)
         noise = {"sigma_begin": 1.0, "sigma_end": 0.01, "num_classes": 10, **(noise or {})}

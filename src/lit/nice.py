@@ -13,6 +13,7 @@ from collections.abc import Mapping
 import torch
 
 from src.lit.base import ScoreMatchingModule, as_plain
+from src.metrics.evaluation import metric_options
 from src.models.deq_net import resolve_depth
 from src.models.nice import NICE, deq_coupling_factory
 
@@ -28,15 +29,14 @@ class NICELitModule(ScoreMatchingModule):
         hidden: int = 1000,
         deq_width: int = 1000,
         optimizer: Mapping | None = None,
-        evaluation: Mapping | None = None,
         metrics: Mapping | None = None,
         n_samples_grid: int = 64,
     ):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
-        loss, deq, optimizer, evaluation, metrics = (
-            as_plain(c) for c in (loss, deq, optimizer, evaluation, metrics))
-        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics, evaluation=evaluation)
+        loss, deq, optimizer, metrics = (as_plain(c) for c in (loss, deq, optimizer, metrics))
+        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics)
         self.save_hyperparameters()
+        metric_options(metrics, "log_likelihood", {})  # the exact likelihood takes no options: refuse any
         deq = deq or {}
         enabled = bool(deq.get("enabled", False))
         depth = resolve_depth("nice", depth, enabled)

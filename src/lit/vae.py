@@ -12,7 +12,7 @@ Each training step, on a batch x (binarised MNIST, or CIFAR-10/CelebA in [−1, 
 
 Both go through :meth:`DeqsmModule.manual_update` (clipping as ``trainer.gradient_clip_val`` says).
 Metrics: ``model.metrics.vae`` (:mod:`src.metrics.vae`: score estimator's SSM loss, reconstruction error),
-``log_likelihood`` (AIS of log p(x), :mod:`src.metrics.ais`, options in ``model.evaluation.ais``), ``fid``
+``log_likelihood`` (AIS of log p(x), :mod:`src.metrics.ais`: ``test_points``, ``seed``, the sampler's ``ais.*``), ``fid``
 (prior samples through the decoder, :meth:`sample`).
 """
 
@@ -26,12 +26,14 @@ import src.metrics.vae  # noqa: F401  registers model.metrics.vae
 from src import progress
 from src.lit.base import DeqsmModule, as_plain, batch_tensor
 from src.metrics.ais import ais_log_likelihood
-from src.metrics.evaluation import rank_share
+from src.metrics.evaluation import metric_options, rank_share
 from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
 from src.objectives.ssm import ssm
 
+# model.metrics.log_likelihood: AIS on the first test_points test points, its sampler's settings under ais
 AIS_DEFAULTS = {"n_steps": 1000, "n_chains": 16, "leapfrog": 10, "step_size": 0.05, "target_accept": 0.65,
-                "schedule": "sigmoid", "test_points": 1000, "seed": 0}
+                "schedule": "sigmoid"}
+LOG_LIKELIHOOD_DEFAULTS = {"test_points": 1000, "seed": 0, "ais": AIS_DEFAULTS}
 
 
 class VAELitModule(DeqsmModule):
@@ -77,16 +79,15 @@ class VAELitModule(DeqsmModule):
         entropy_weight: float = 1.0,
         projection: str | None = "gaussian",
         optimizer: Mapping | None = None,
-        evaluation: Mapping | None = None,
         metrics: Mapping | None = None,
         monitor: str | None = "val/recon_error",
         monitor_mode: str | None = "min",
         n_samples_grid: int = 64,
     ):
-        loss, deq, optimizer, evaluation, metrics = (as_plain(c) for c in (loss, deq, optimizer, evaluation, metrics))
+        loss, deq, optimizer, metrics = (as_plain(c) for c in (loss, deq, optimizer, metrics))
         image_shape = [int(s) for s in as_plain(image_shape)]
-        super().__init__(optimizer=optimizer, metrics=metrics, evaluation=evaluation, monitor=monitor,
-                         monitor_mode=monitor_mode, loss=loss, loss_bound={"projection": projection})
+        super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
+                         loss=loss, loss_bound={"projection": projection})
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.latent_dim, self.score_steps, self.n_samples_grid = int(latent_dim), int(score_steps), n_samples_grid
@@ -103,10 +104,8 @@ class VAELitModule(DeqsmModule):
                                        aug_init=aug_init)
         self.net = self.score_net
         self.projection = projection or self.loss_kwargs.get("projection", "rademacher")
-        self.ais_cfg = {**AIS_DEFAULTS, **dict(self.evaluation_cfg.get("ais") or {})}
-        unknown = set(self.ais_cfg) - set(AIS_DEFAULTS)
-        if unknown:
-            raise ValueError(f"model.evaluation.ais: unknown key(s) {sorted(unknown)}; valid: {sorted(AIS_DEFAULTS)}")
+        ll = metric_options(metrics, "log_likelihood", LOG_LIKELIHOOD_DEFAULTS) or LOG_LIKELIHOOD_DEFAULTS
+        self.ais_points, self.ais_seed, self.ais_cfg = int(ll["test_points"]), int(ll["seed"]), dict(ll["ais"])
         self._ais_seen = 0
         self._ais_batches = 0
 
@@ -149,16 +148,16 @@ class VAELitModule(DeqsmModule):
         super().on_test_epoch_start()
 
     def log_likelihood_metrics(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """AIS log p(x) (nats) of the first ``model.evaluation.ais.test_points`` test points. Under DDP rank r
+        """AIS log p(x) (nats) of the first ``model.metrics.log_likelihood.test_points`` test points. Under DDP rank r
         tests the points r, r + W, … (Lightning's distributed sampler), so it takes its share of those first
         points, and the ranks together take the same points as one process."""
         c = self.ais_cfg
-        x = x[: max(0, rank_share(self, int(c["test_points"])) - self._ais_seen)]
+        x = x[: max(0, rank_share(self, self.ais_points) - self._ais_seen)]
         self._ais_batches += 1
         if x.shape[0] == 0:
             return {}
         self._ais_seen += x.shape[0]
-        g = torch.Generator(device=x.device).manual_seed(int(c["seed"]) + 1_000_003 * self._ais_batches)
+        g = torch.Generator(device=x.device).manual_seed(self.ais_seed + 1_000_003 * self._ais_batches)
         with progress.phase(self, f"AIS log p(x) of {x.shape[0]} test points (annealing steps)",
                             int(c["n_steps"])) as advance:
             ll = ais_log_likelihood(self.decoder.log_prob, x, self.latent_dim, n_steps=int(c["n_steps"]),

@@ -5,7 +5,7 @@
     metrics:
       exact_sm: {val_points: 32, test_points: 256}   # eq. 1, exact trace (D backward passes per batch)
       ground_truth: {}                               # Fisher divergence + true log-likelihood (synthetic data)
-      log_likelihood: {}                             # the family's tractable / estimated likelihood
+      log_likelihood: {}                             # the family's likelihood (its estimator's options here)
       noise_conditional: {losses: [dsm, ssm_vr]}     # per-noise-level test losses (noise-conditional scores)
       fid: {kind: mnist, n_samples: 1000}            # FID of generated samples against real test images
 
@@ -40,11 +40,13 @@ EXACT_SM_MAX_DIM = 1024
 
 
 @contextlib.contextmanager
-def seeded_rng(seed: int, device: torch.device):
+def seeded_rng(seed: int | None, device: torch.device):
     """Draw from torch's global RNG seeded with ``seed`` (and ``device``'s CUDA RNG when on a GPU), then put
-    the RNG states back: evaluation repeats exactly and never moves the training RNG."""
+    the RNG states back: evaluation repeats exactly and never moves the training RNG. ``seed=None``: draw from
+    the states as they are, and put them back all the same (a probe that must leave no trace)."""
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        torch.manual_seed(seed)
+        if seed is not None:
+            torch.manual_seed(seed)
         yield
 
 
@@ -255,13 +257,17 @@ class GroundTruthMetrics(EvalMetric):
 class LogLikelihood(EvalMetric):
     """The family's likelihood metrics: ``module.log_likelihood_metrics(x) -> {name: [B] tensor}`` averaged
     over the test set with their standard errors over test points (NICE: exact log p and bits/dim; DKEF:
-    log p̃ − log Ẑ with Ẑ by importance sampling; VAE: AIS)."""
+    log p̃ − log Ẑ with Ẑ by importance sampling; VAE: AIS).
+
+    ``options`` configure the family's estimator (DKEF: ``samples``, ``proposal_std``; VAE: ``test_points``,
+    ``seed``, ``ais.*``): the family reads and checks them with :func:`metric_options`."""
 
     name = "log_likelihood"
     stages = ("test",)
 
-    def __init__(self):
+    def __init__(self, **options):
         super().__init__()
+        self.options = options
         self.parts = nn.ModuleDict()
 
     def update(self, module, x, stage):
@@ -453,6 +459,26 @@ def register_metric(cls: type[EvalMetric]) -> type[EvalMetric]:
     """Class decorator adding a metric to the registry under ``cls.name``."""
     METRICS[cls.name] = cls
     return cls
+
+
+def metric_options(spec: Mapping | None, name: str, defaults: Mapping) -> dict | None:
+    """The options of metric ``name`` in a ``model.metrics`` spec over the family's ``defaults`` (nested
+    mappings merged key by key), for a metric whose estimator the family implements (``log_likelihood``);
+    None when the metric is off. A key ``defaults`` lacks is refused in one line naming the valid ones."""
+    options = dict(spec or {}).get(name)
+    if options is None or options is False:
+        return None
+    return _merged(defaults, {} if options is True else options, f"model.metrics.{name}")
+
+
+def _merged(defaults: Mapping, given: Mapping, where: str) -> dict:
+    if not isinstance(given, Mapping):
+        raise ValueError(f"{where}={given!r}: give a mapping of {', '.join(defaults)}")  # noqa: TRY004  a config value
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; valid: {', '.join(defaults) or 'none'}")
+    return {k: _merged(v, given.get(k) or {}, f"{where}.{k}") if isinstance(v, Mapping) else given.get(k, v)
+            for k, v in defaults.items()}
 
 
 def build_metrics(spec: Mapping | None) -> nn.ModuleDict:

@@ -1,8 +1,8 @@
 """Evaluation presets (``eval=quick|standard|paper|auto``, conf/eval/): how much the test phase costs.
 
 A preset is a list of settings of *existing* keys of the composed config — ``model.metrics.*`` (test points,
-FID samples), ``model.sampling`` (the Langevin sampler behind FID), ``model.evaluation.*`` (AIS, DKEF's
-importance samples), ``trainer.limit_test_batches`` — applied once at start-up by :func:`apply_eval_preset`:
+FID samples, the likelihood's AIS and DKEF's importance samples), ``model.sampling`` (the Langevin sampler
+behind FID), ``trainer.limit_test_batches`` — applied once at start-up by :func:`apply_eval_preset`:
 
 - ``mode: cap`` (quick): each value is an upper bound. A smaller configured value stays; null (no bound) is
   replaced. A mapping value is one unit (a sampler's steps T and its step size ε): applied whole when it lowers
