@@ -73,6 +73,53 @@ def test_depth_with_a_deq_block_is_refused():
         NCSN(1, SIGMAS, arch="deq", ngf=4, deq={"enabled": True}, depth=2)
 
 
+@pytest.mark.parametrize("arch,deq,depth", [("refinenet", False, None), ("deq", True, None), ("deq", False, 1)],
+                         ids=["refinenet", "deq", "twores"])
+def test_sigma_conditioning_score_scales_as_one_over_sigma(arch, deq, depth):
+    """conditioning=sigma: the network's output does not depend on the level, so σ_i·s(x, i) is one function
+    of x for every i (and s = output / σ_i); cond_norm's does depend on it."""
+    torch.manual_seed(2)
+    sig = geometric_sigmas(50.0, 0.01, 6)
+    x = torch.rand(1, 1, 8, 8).repeat(6, 1, 1, 1)
+    labels = torch.arange(6)
+    for conditioning in ("sigma", "cond_norm"):
+        net = NCSN(1, sig, arch=arch, ngf=4, deq={"enabled": deq, "warm_start": False}, depth=depth,
+                   conditioning=conditioning).double()
+        with torch.no_grad():  # per-level rows that differ (cond_norm), as after training
+            for m in net.modules():
+                if hasattr(m, "embed"):
+                    m.embed.weight.normal_(1.0, 0.3)
+        s = net.score(x.double(), labels)
+        scaled = s * net.sigmas[labels].reshape(-1, 1, 1, 1)  # the buffer (float32 values)
+        assert torch.allclose(scaled, net.features(x.double(), labels), rtol=1e-12, atol=1e-12)
+        spread = (scaled - scaled[:1]).abs().max().item()
+        if conditioning == "sigma":
+            assert spread < 1e-12 and torch.allclose(s[0] * net.sigmas[0], s[5] * net.sigmas[5], rtol=1e-12, atol=0)
+        else:
+            assert spread > 1e-3
+
+
+def test_sigma_conditioning_parameters_do_not_grow_with_levels():
+    """cond_norm holds 3C numbers per norm (2C per DEQ map) per level; sigma none: same count at 10 and 232."""
+    def count(conditioning, levels, arch="deq", deq=True):
+        return count_parameters(NCSN(3, geometric_sigmas(50.0, 0.01, levels), arch=arch, ngf=8,
+                                     deq={"enabled": deq}, conditioning=conditioning))
+
+    for arch, deq in (("refinenet", False), ("deq", True), ("deq", False)):
+        assert count("sigma", 10, arch, deq) == count("sigma", 232, arch, deq)
+        net = NCSN(3, geometric_sigmas(), arch=arch, ngf=8, deq={"enabled": deq})
+        norm_rows = sum(m.embed.weight.shape[1] for m in net.modules() if hasattr(m, "embed"))
+        deq_rows = 2 * 8 if deq else 0  # the DEQ map's shift and scale rows
+        assert count("cond_norm", 232, arch, deq) - count("cond_norm", 10, arch, deq) == 222 * (norm_rows + deq_rows)
+        # sigma: one γ/α/β row per norm instead of one per level, and no DEQ rows
+        assert count("cond_norm", 10, arch, deq) - count("sigma", 10, arch, deq) == 9 * norm_rows + 10 * deq_rows
+
+
+def test_unknown_conditioning_is_refused():
+    with pytest.raises(ValueError, match="model.conditioning='film' is unknown; valid: cond_norm, sigma"):
+        NCSN(1, SIGMAS, arch="deq", ngf=4, conditioning="film")
+
+
 def test_parameter_counts_at_the_paper_cifar10_size():
     """Table 5: NCSN 28M, DEQ-NCSN 9M parameters at ngf = 128 on CIFAR-10 (≤ 0.35×)."""
     counts = {arch: count_parameters(NCSN(3, geometric_sigmas(), arch=arch, ngf=128, deq={"enabled": deq}))

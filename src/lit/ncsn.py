@@ -47,6 +47,7 @@ class NCSNLitModule(ScoreMatchingModule):
         depth: int | None = None,
         arch: str = "deq",
         ngf: int = 64,
+        conditioning: str = "cond_norm",
         pixel_range: str = "unit",
         noise: Mapping | None = None,
         anneal_power: float = 2.0,
@@ -71,7 +72,7 @@ class NCSNLitModule(ScoreMatchingModule):
         self.pixel_range = pixel_range
         self.data_shape = tuple(int(s) for s in data_shape)
         self.net = NCSN(self.data_shape[0], sigmas, arch=arch, ngf=ngf, deq=deq, depth=depth,
-                        centered_input=pixel_range == "unit")
+                        centered_input=pixel_range == "unit", conditioning=conditioning)
         unknown = set(sampling or {}) - set(SAMPLING_DEFAULTS)
         if unknown:
             raise ValueError(f"model.sampling: unknown key(s) {sorted(unknown)}; valid: {', '.join(SAMPLING_DEFAULTS)}")

@@ -38,7 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from src.deq.block import ConditionalResidualDEQBlock, ResidualDEQBlock
+from src.models.ncsn_norm import norm_act
+
 ARCHS = ("refinenet", "deq")
+CONDITIONINGS = ("cond_norm", "sigma")
 
 
 def geometric_sigmas(sigma_begin: float = 1.0, sigma_end: float = 0.01, num_classes: int = 10) -> torch.Tensor:
@@ -55,7 +59,8 @@ def geometric_sigmas(sigma_begin: float = 1.0, sigma_end: float = 0.01, num_clas
 class ConditionalInstanceNorm2dPlus(nn.Module):
     """CIN++ (NCSN): instance norm plus the normalised channel-means term, γ/α/β embedded per label.
 
-    Initialisation as NCSN: γ, α ~ N(1, 0.02²), β = 0 (``bias=False`` drops β).
+    Initialisation as NCSN: γ, α ~ N(1, 0.02²), β = 0 (``bias=False`` drops β). ``norm(x, labels, act=True)``
+    is ELU(CIN++(x)) (:func:`src.models.ncsn_norm.norm_act`: only x is saved for backward).
     """
 
     def __init__(self, num_features: int, num_classes: int, bias: bool = True, eps: float = 1e-5):
@@ -66,20 +71,35 @@ class ConditionalInstanceNorm2dPlus(nn.Module):
             self.embed.weight[:, : 2 * self.num_features].normal_(1.0, 0.02)
             self.embed.weight[:, 2 * self.num_features:].zero_()
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        means = x.mean(dim=(2, 3))                                   # μ_c  [B, C]
-        m = means.mean(dim=-1, keepdim=True)
-        v = means.var(dim=-1, keepdim=True)                          # unbiased, as torch.var in NCSN
-        means = (means - m) / torch.sqrt(v + self.eps)
-        h = F.instance_norm(x, eps=self.eps)
-        emb = self.embed(labels).to(x.dtype)
-        if self.bias:
-            gamma, alpha, beta = emb.chunk(3, dim=-1)
-        else:
-            (gamma, alpha), beta = emb.chunk(2, dim=-1), None
-        h = h + means[..., None, None] * alpha[..., None, None]
-        out = gamma[..., None, None] * h
-        return out + beta[..., None, None] if beta is not None else out
+    def forward(self, x: torch.Tensor, labels: torch.Tensor, act: bool = False) -> torch.Tensor:
+        rows = self.embed(labels).to(x.dtype).chunk(3 if self.bias else 2, dim=-1)  # γ, α[, β]  [B, C] each
+        return norm_act(x, *rows, act=act, eps=self.eps)
+
+
+class InstanceNorm2dPlus(nn.Module):
+    """Instance norm++ without conditioning (NCSNv2): one γ, α, β per channel, whatever the noise level.
+
+    Initialisation as NCSNv2: γ, α ~ N(1, 0.02²), β = 0. ``labels`` are accepted and ignored, so the blocks
+    call every norm the same way."""
+
+    def __init__(self, num_features: int, bias: bool = True, eps: float = 1e-5):
+        super().__init__()
+        self.num_features, self.eps = int(num_features), float(eps)
+        self.gamma = nn.Parameter(torch.empty(self.num_features).normal_(1.0, 0.02))
+        self.alpha = nn.Parameter(torch.empty(self.num_features).normal_(1.0, 0.02))
+        self.beta = nn.Parameter(torch.zeros(self.num_features)) if bias else None
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, act: bool = False) -> torch.Tensor:
+        rows = (self.gamma, self.alpha) if self.beta is None else (self.gamma, self.alpha, self.beta)
+        return norm_act(x, *(r.to(x.dtype) for r in rows), act=act, eps=self.eps)
+
+
+def norm_layer(num_features: int, num_classes: int | None) -> nn.Module:
+    """The blocks' normalisation: CIN++ over ``num_classes`` labels, or instance norm++ when None (σ-scaled
+    conditioning, see :class:`NCSN`)."""
+    if num_classes is None:
+        return InstanceNorm2dPlus(num_features)
+    return ConditionalInstanceNorm2dPlus(num_features, num_classes)
 
 
 def conv3x3(cin: int, cout: int, bias: bool = True, dilation: int = 1) -> nn.Conv2d:
@@ -106,8 +126,7 @@ class ResBlock(nn.Module):
         super().__init__()
         if resample not in (None, "down"):
             raise ValueError(f"resample={resample!r}: None or 'down'")
-        self.norm1 = ConditionalInstanceNorm2dPlus(cin, num_classes)
-        self.norm2 = ConditionalInstanceNorm2dPlus(cin, num_classes)
+        self.norm1, self.norm2 = norm_layer(cin, num_classes), norm_layer(cin, num_classes)
         self.conv1 = conv3x3(cin, cin, dilation=dilation)
         if resample == "down":
             self.conv2: nn.Module = ConvMeanPool(cin, cout, 3)
@@ -117,8 +136,8 @@ class ResBlock(nn.Module):
             self.shortcut = None if cin == cout else nn.Conv2d(cin, cout, 1)
 
     def forward(self, x, labels):
-        h = self.conv1(F.elu(self.norm1(x, labels)))
-        h = self.conv2(F.elu(self.norm2(h, labels)))
+        h = self.conv1(self.norm1(x, labels, act=True))
+        h = self.conv2(self.norm2(h, labels, act=True))
         return h + (x if self.shortcut is None else self.shortcut(x))
 
 
@@ -128,8 +147,7 @@ class RCUBlock(nn.Module):
     def __init__(self, features: int, n_blocks: int, n_stages: int, num_classes: int):
         super().__init__()
         self.n_blocks, self.n_stages = int(n_blocks), int(n_stages)
-        self.norms = nn.ModuleList(ConditionalInstanceNorm2dPlus(features, num_classes)
-                                   for _ in range(self.n_blocks * self.n_stages))
+        self.norms = nn.ModuleList(norm_layer(features, num_classes) for _ in range(self.n_blocks * self.n_stages))
         self.convs = nn.ModuleList(conv3x3(features, features, bias=False)
                                    for _ in range(self.n_blocks * self.n_stages))
 
@@ -138,7 +156,7 @@ class RCUBlock(nn.Module):
         for _ in range(self.n_blocks):
             residual = x
             for _ in range(self.n_stages):
-                x = self.convs[k](F.elu(self.norms[k](x, labels)))
+                x = self.convs[k](self.norms[k](x, labels, act=True))
                 k += 1
             x = x + residual
         return x
@@ -149,7 +167,7 @@ class MSFBlock(nn.Module):
 
     def __init__(self, in_planes: Sequence[int], features: int, num_classes: int):
         super().__init__()
-        self.norms = nn.ModuleList(ConditionalInstanceNorm2dPlus(c, num_classes) for c in in_planes)
+        self.norms = nn.ModuleList(norm_layer(c, num_classes) for c in in_planes)
         self.convs = nn.ModuleList(conv3x3(c, features) for c in in_planes)
 
     def forward(self, xs, labels, shape):
@@ -166,7 +184,7 @@ class CRPBlock(nn.Module):
 
     def __init__(self, features: int, n_stages: int, num_classes: int):
         super().__init__()
-        self.norms = nn.ModuleList(ConditionalInstanceNorm2dPlus(features, num_classes) for _ in range(n_stages))
+        self.norms = nn.ModuleList(norm_layer(features, num_classes) for _ in range(n_stages))
         self.convs = nn.ModuleList(conv3x3(features, features, bias=False) for _ in range(n_stages))
 
     def forward(self, x, labels):
@@ -209,16 +227,30 @@ class ResidualStack(nn.Module):
         return x
 
 
-class DEQResBlock(nn.Module):
-    """The DEQ-ResBlock (Table 9): z* = h(z*; i) + g(y), g a conv3×3 of the input y (linear: one squash)."""
+class LabelFreeResidualDEQBlock(ResidualDEQBlock):
+    """:class:`src.deq.block.ResidualDEQBlock` called as the conditional one, ``block(y, labels)``: the labels do
+    not enter its map (σ-scaled conditioning)."""
 
-    def __init__(self, channels: int, num_classes: int, deq: Any = None, name: str = "ncsn.deq"):
+    def map_params(self, x, labels=None):
+        return super().map_params(x)
+
+
+class DEQResBlock(nn.Module):
+    """The DEQ-ResBlock (Table 9): z* = h(z*; i) + g(y), g a conv3×3 of the input y (linear: one squash).
+
+    ``num_classes`` labels: the noise level enters h as map parameters
+    (:class:`src.deq.block.ConditionalResidualDEQBlock`); None (σ-scaled conditioning): h has no per-level
+    parameters (:class:`src.deq.block.ResidualDEQBlock`), called with the labels all the same."""
+
+    def __init__(self, channels: int, num_classes: int | None, deq: Any = None, name: str = "ncsn.deq"):
         super().__init__()
-        from src.deq.block import ConditionalResidualDEQBlock
         from src.models.deq_net import deq_settings
 
         config, _ = deq_settings(deq)
-        self.block = ConditionalResidualDEQBlock(channels, channels, num_classes, 3, config=config, name=name)
+        if num_classes is None:
+            self.block = LabelFreeResidualDEQBlock(channels, channels, 3, config=config, name=name)
+        else:
+            self.block = ConditionalResidualDEQBlock(channels, channels, num_classes, 3, config=config, name=name)
 
     def forward(self, y, labels):
         return self.block(y, labels)
@@ -231,19 +263,34 @@ class NCSN(nn.Module):
     them from the model. ``arch``: ``refinenet`` | ``deq``; ``deq`` (the config group, mapping) with
     ``enabled`` true puts the DEQ-ResBlock in the ``deq`` architecture, else ``depth`` ResBlocks
     (``refinenet`` has no DEQ and ignores ``deq`` and ``depth``).
+
+    ``conditioning``: how the noise level enters —
+
+    - ``cond_norm`` (NCSN, Song & Ermon 2019): every norm is CIN++ with a γ/α/β row per level (and the DEQ map
+      a shift/scale row per level), and the output is divided by σ_i; parameters grow with L (≈ 2.5 k per
+      norm channel per 10 levels); the paper's Table 5 counts (28M / 9M / 9M at L = 10);
+    - ``sigma`` (NCSNv2's technique 3, Song & Ermon 2020): the network is unconditional (instance norm++
+      with one γ/α/β per channel, a DEQ map without per-level rows) and the score is its output / σ_i; the
+      parameter count does not depend on L (the paper authors' code, 232 levels on CIFAR-10).
     """
 
     def __init__(self, channels: int, sigmas: Sequence[float] | torch.Tensor, arch: str = "deq", ngf: int = 64,
-                 deq: Mapping | None = None, depth: int | None = None, centered_input: bool = True):
+                 deq: Mapping | None = None, depth: int | None = None, centered_input: bool = True,
+                 conditioning: str = "cond_norm"):
         super().__init__()
         if arch not in ARCHS:
             raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
+        if conditioning not in CONDITIONINGS:
+            raise ValueError(f"model.conditioning={conditioning!r} is unknown; valid: {', '.join(CONDITIONINGS)} "
+                             "(cond_norm: a norm row per noise level; sigma: unconditional network, output / σ)")
+        self.conditioning = conditioning
         sig = torch.as_tensor(sigmas, dtype=torch.float64).reshape(-1)
         if sig.numel() < 1 or bool((sig <= 0).any()):
             raise ValueError("NCSN needs at least one positive noise level")
         self.register_buffer("sigmas", sig.float())
-        n, self.arch, self.ngf, self.centered_input = sig.numel(), arch, int(ngf), bool(centered_input)
-        self.num_classes = n
+        self.arch, self.ngf, self.centered_input = arch, int(ngf), bool(centered_input)
+        self.num_classes = sig.numel()
+        n = self.num_classes if conditioning == "cond_norm" else None  # what the blocks are conditioned on
         deq = dict(deq or {})
         self.deq_enabled = bool(deq.get("enabled", False)) and arch == "deq"
         c1, c2 = self.ngf, 2 * self.ngf
@@ -269,7 +316,7 @@ class NCSN(nn.Module):
             self.down = nn.ModuleList([ResBlock(c1, c2, n, resample="down"), ResBlock(c2, c2, n)])
             # the low-resolution RefineBlock outputs ngf (as NCSN's third block does): ≈ 8M parameters at ngf 128
             self.refine = nn.ModuleList([RefineBlock([c2], c1, n), RefineBlock([c1, c1], c1, n, end=True)])
-        self.end_norm = ConditionalInstanceNorm2dPlus(c1, n)
+        self.end_norm = norm_layer(c1, n)
         self.end = conv3x3(c1, channels)
 
     def features(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -293,7 +340,7 @@ class NCSN(nn.Module):
                 h = block(h, labels)
             r = self.refine[0]([h], labels, h.shape[2:])
             r = self.refine[1]([l1, r], labels, l1.shape[2:])
-        return self.end(F.elu(self.end_norm(r, labels)))
+        return self.end(self.end_norm(r, labels, act=True))
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         sigma = self.sigmas.to(x.dtype)[labels].reshape(-1, *([1] * (x.dim() - 1)))
