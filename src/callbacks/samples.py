@@ -18,6 +18,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from src.metrics.evaluation import seeded_rng
 from src.runtime import atomic_file
 
 
@@ -129,15 +130,10 @@ class SampleGridCallback(L.Callback):
         sample = getattr(pl_module, "sample_pixels", None)
         if sample is None:
             return None
-        device = pl_module.device
-        devices = [device.index if device.index is not None else torch.cuda.current_device()] \
-            if device.type == "cuda" else []
         was_training = pl_module.training
         pl_module.eval()
         try:
-            with torch.random.fork_rng(devices=devices):
-                if self.seed is not None:
-                    torch.manual_seed(self.seed)
+            with seeded_rng(self.seed, pl_module.device):  # the grid repeats; the training RNG stays put
                 images = sample(self.n)
         finally:
             pl_module.train(was_training)
