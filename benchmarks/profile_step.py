@@ -37,6 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -116,7 +118,8 @@ def render(res: dict) -> str:
     meta = res["meta"]
     lines = ["# One training step per family, profiled by phase", "",
              (f"Command: `{meta['command']}` (`<data dir>`: the data root). Machine: {meta['machine']}; load "
-             f"average at the start {meta['load_average']}. Code: {meta.get('revision', 'HEAD')}."), "",
+             f"average at the start {meta['load_average']}. Code: commit `{meta['revision']}`"
+             f"{' plus uncommitted changes' if meta.get('dirty') else ''}."), "",
              ("Each case is its LightningModule's own `training_step` (outside a Trainer; its own optimisers) after "
              f"{meta['warmup']} warm-up steps; *s/step* is the median of {meta['timed']} unprofiled steps, the phase "
              "columns are one profiled step's *self* CPU time (ms) attributed to the innermost `record_function` "
@@ -154,9 +157,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--timed", type=int, default=3, help="unprofiled steps timed before the profiled one")
     ap.add_argument("--top", type=int, default=12, help="operators listed per case")
     ap.add_argument("--root", default=str(DATA_ROOT), help="data root (RedWine for the DKEF cases)")
-    ap.add_argument("--note", default=None, help="a markdown file appended below the tables")
+    ap.add_argument("--note", default=None, help="a markdown file appended below the tables (with --render: added to the saved results)")
     result_options(ap, "profile_step")
     args = ap.parse_args(argv)
+    if args.render and args.note:  # a finding written after the run: stored in the JSON, then rendered
+        from src.reporting import load_results, write_results
+
+        res = load_results(args.out, args.name)
+        res["meta"]["note"] = Path(args.note).read_text()
+        write_results(args.out, args.name, res, render)
+        return res
     if _common.rendered(args, args.name, render):
         return {}
     import torch
@@ -170,8 +180,14 @@ def main(argv=None) -> dict:
         ap.error(f"unknown case(s) {', '.join(unknown)}; valid: {', '.join(CASES)}")
     res = load_results(args.out, args.name) or {}
     res.setdefault("cases", {})
-    argv_shown = [("<data dir>" if a == args.root else a) for a in (argv if argv is not None else os.sys.argv[1:])]
+    argv_shown = [("<data dir>" if a == args.root else a) for a in (argv if argv is not None else sys.argv[1:])]
+    git = ["git", "-C", str(ROOT)]
+    revision = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
+                              text=True).stdout.strip()
+    dirty = bool(subprocess.run([*git, "status", "--porcelain", "--", "src", "conf"], check=True,
+                                capture_output=True, text=True).stdout.strip())
     res["meta"] = {"command": script_command("profile_step.py", argv_shown), "machine": machine_facts(),
+                   "revision": revision, "dirty": dirty,
                    "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()), "warmup": args.warmup,
                    "timed": args.timed, "note": Path(args.note).read_text() if args.note else res.get("meta", {}).get("note")}
     for case in cases:

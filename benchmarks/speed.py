@@ -190,7 +190,7 @@ def render(res: dict) -> str:
         it = r["after"].get("deq_iterations")
         lines.append(f"| {case} | {r['before']['median_s']:.4f} | {r['after']['median_s']:.4f} | "
                      f"{r['before']['median_s'] / r['after']['median_s']:.2f}× | "
-                     f"{'' if it is None else f'{it:g}'} | {facts} |")
+                     f"{'' if it is None else f'{it:.1f}'} | {facts} |")
     lines += ["", "## Targets (issue #26)", "", "| target | before | after | met |", "|---|---:|---:|---|"]
     for t in res["targets"]:
         v = t["value"]
@@ -213,7 +213,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds per case")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per round and tree")
     ap.add_argument("--root", default=str(ROOT / "data"), help="data root (RedWine for the DKEF cases)")
-    ap.add_argument("--note", default=None, help="a markdown file appended below the tables")
+    ap.add_argument("--note", default=None, help="a markdown file appended below the tables (with --render: added to the saved results)")
     ap.add_argument("--out", type=Path, default=HERE / "results")
     ap.add_argument("--name", default="speed")
     ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
@@ -225,6 +225,13 @@ def main(argv=None) -> dict:
 
     from src.reporting import load_results, write_results
 
+    if args.render and args.note:  # a finding written after the run: stored in the JSON, then rendered
+        from src.reporting import load_results, write_results
+
+        res = load_results(args.out, args.name)
+        res["meta"]["note"] = Path(args.note).read_text()
+        write_results(args.out, args.name, res, render)
+        return res
     if _common.rendered(args, args.name, render):
         return {}
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]

@@ -76,7 +76,8 @@ def check_trace_route(route: str) -> str:
 
 # "auto" on a CPU: replicate (one pass) when the model declares independent rows and the replicated batch has at
 # most this many rows (D × B); the loop otherwise. DKEF at the reference protocol (D = 11, 16 points: 176 rows):
-# 1.7× faster training step with DEQ features, 2.1× with the 3-layer ones (benchmarks/results/speed.md).
+# this alone made its training step 1.7× faster with DEQ features, 2.1× with the 3-layer ones (interleaved A/B on
+# one thread; the whole step before and after: benchmarks/results/speed.md).
 AUTO_REPLICATE_ROWS = 4096
 
 
