@@ -23,7 +23,10 @@ vae/ssm        SSM update of the score estimator and one ELBO update; DEQ score 
 from __future__ import annotations
 
 import math
+import subprocess
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = ("dkef/deq", "dkef/3-layer", "nice/deq-ssm", "nice/ssm", "ncsn/deq", "ncsn/twores", "vae/deq", "vae/ssm")
 # the DEQ case of each family and the explicit case it is compared with
@@ -129,3 +132,18 @@ def median(xs):
 
 def geometric_mean(xs):
     return math.exp(sum(math.log(x) for x in xs) / len(xs))
+
+
+def commit_of(rev: str) -> str:
+    """The short hash of ``rev`` in this repository."""
+    return subprocess.run(["git", "rev-parse", "--short", rev], cwd=ROOT, check=True, capture_output=True,
+                          text=True).stdout.strip()
+
+
+def snapshot(rev: str, dest: Path) -> Path:
+    """``src`` and ``conf`` of commit ``rev`` unpacked into ``dest`` (``git archive``): code to measure that
+    no concurrent edit of the working tree can change or break mid-run. Returns ``dest``."""
+    archive = subprocess.run(["git", "archive", rev, "src", "conf"], cwd=ROOT, check=True,
+                             capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return Path(dest)

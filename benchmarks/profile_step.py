@@ -24,7 +24,7 @@ other                           everything else (noise draws, the VAE's ELBO, lo
 Work the objective's derivative passes do *through* a DEQ (the backward of its phantom steps inside the trace)
 counts as the trace: the labels say which code asked for the work, not which layer it ran in.
 
-    python benchmarks/profile_step.py                       # every case, 1 thread
+    python benchmarks/profile_step.py                       # every case, 1 thread, HEAD as committed
     python benchmarks/profile_step.py --cases dkef/deq,dkef/3-layer
     python benchmarks/profile_step.py --render              # rebuild the markdown from the JSON
 
@@ -37,8 +37,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
+import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -53,7 +53,7 @@ from _common import (
     trainer_free,
     training_step,
 )
-from _step_cases import CASES, build_case, deq_iterations, median
+from _step_cases import CASES, build_case, commit_of, deq_iterations, median, snapshot
 
 PHASES = [  # (label prefix, phase name), in table order
     ("deq.solve", "DEQ solver forward"),
@@ -82,10 +82,11 @@ def _phase_of(event) -> str:
     return BACKWARD if in_engine else OTHER
 
 
-def profile_case(case: str, warmup: int, timed: int, data_root: str | None, top: int) -> dict:
+def profile_case(case: str, warmup: int, timed: int, data_root: str | None, top: int, root: Path = ROOT) -> dict:
+    """One case profiled (see the module docstring); ``root``: the tree whose ``conf`` the case reads."""
     from torch.profiler import ProfilerActivity, profile
 
-    module, batches, facts = build_case(case, ROOT, data_root)
+    module, batches, facts = build_case(case, root, data_root)
     optimizers = trainer_free(module)
     for k in range(warmup):
         training_step(module, batches[k % len(batches)], optimizers)
@@ -118,8 +119,7 @@ def render(res: dict) -> str:
     meta = res["meta"]
     lines = ["# One training step per family, profiled by phase", "",
              (f"Command: `{meta['command']}` (`<data dir>`: the data root). Machine: {meta['machine']}; load "
-             f"average at the start {meta['load_average']}. Code: commit `{meta['revision']}`"
-             f"{' plus uncommitted changes' if meta.get('dirty') else ''}."), "",
+             f"average at the start {meta['load_average']}. Code: {meta['revision']}."), "",
              ("Each case is its LightningModule's own `training_step` (outside a Trainer; its own optimisers) after "
              f"{meta['warmup']} warm-up steps; *s/step* is the median of {meta['timed']} unprofiled steps, the phase "
              "columns are one profiled step's *self* CPU time (ms) attributed to the innermost `record_function` "
@@ -156,6 +156,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--timed", type=int, default=3, help="unprofiled steps timed before the profiled one")
     ap.add_argument("--top", type=int, default=12, help="operators listed per case")
+    ap.add_argument("--at", default="HEAD", help="the commit profiled (its src and conf as committed, unpacked "
+                    "into a temporary folder), or 'worktree' for this checkout as it is")
     ap.add_argument("--root", default=str(DATA_ROOT), help="data root (RedWine for the DKEF cases)")
     ap.add_argument("--note", default=None, help="a markdown file appended below the tables (with --render: added to the saved results)")
     result_options(ap, "profile_step")
@@ -169,6 +171,13 @@ def main(argv=None) -> dict:
         return res
     if _common.rendered(args, args.name, render):
         return {}
+    tree = ROOT
+    if args.at != "worktree":  # the commit as committed: concurrent edits of the working tree cannot interfere
+        if "src" in sys.modules:
+            raise RuntimeError("profile_step: src was imported before the snapshot was put on sys.path")
+        tmp = tempfile.TemporaryDirectory(prefix="deqsm_profile_")
+        tree = snapshot(args.at, Path(tmp.name))
+        sys.path.insert(0, str(tree))
     import torch
 
     from src.reporting import load_results, write_results
@@ -181,17 +190,13 @@ def main(argv=None) -> dict:
     res = load_results(args.out, args.name) or {}
     res.setdefault("cases", {})
     argv_shown = [("<data dir>" if a == args.root else a) for a in (argv if argv is not None else sys.argv[1:])]
-    git = ["git", "-C", str(ROOT)]
-    revision = subprocess.run([*git, "rev-parse", "--short", "HEAD"], check=True, capture_output=True,
-                              text=True).stdout.strip()
-    dirty = bool(subprocess.run([*git, "status", "--porcelain", "--", "src", "conf"], check=True,
-                                capture_output=True, text=True).stdout.strip())
+    revision = "the working tree" if args.at == "worktree" else f"commit `{commit_of(args.at)}` as committed"
     res["meta"] = {"command": script_command("profile_step.py", argv_shown), "machine": machine_facts(),
-                   "revision": revision, "dirty": dirty,
+                   "revision": revision,
                    "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()), "warmup": args.warmup,
                    "timed": args.timed, "note": Path(args.note).read_text() if args.note else res.get("meta", {}).get("note")}
     for case in cases:
-        res["cases"][case] = profile_case(case, args.warmup, args.timed, args.root, args.top)
+        res["cases"][case] = profile_case(case, args.warmup, args.timed, args.root, args.top, tree)
         print(case, json.dumps({k: res["cases"][case][k] for k in ("step_s_median", "profiled_cpu_ms")}),
               flush=True)
         write_results(args.out, args.name, res, render)

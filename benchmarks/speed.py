@@ -8,10 +8,11 @@ one torch thread, build the same seeded module and batches; after ``--warmup`` s
 them for ``--steps`` timed steps at a time, alternating which tree goes first, ``--repeats`` times: interleaved
 repeats, so load on a shared machine falls on both trees alike. The figure is the median s/step.
 
-The "before" tree is ``git archive <before> src conf`` unpacked into a temporary folder (removed afterwards),
-put first on the before worker's ``sys.path``; the results record the commit, not that folder.
+Each tree is ``git archive <commit> src conf`` unpacked into a temporary folder (removed afterwards) and put
+first on its worker's ``sys.path``: "after" is ``--after`` (default HEAD) as committed, so edits in the working
+tree neither change nor break a run; the results record the commits, not the folders.
 
-    python benchmarks/speed.py                                   # every case, b3facaa vs this checkout
+    python benchmarks/speed.py                                   # every case, b3facaa vs HEAD
     python benchmarks/speed.py --cases dkef/deq,dkef/3-layer --repeats 15
     python benchmarks/speed.py --render                          # rebuild the markdown from the JSON
 
@@ -108,24 +109,15 @@ class Worker:
 
 
 # ----------------------------------------------------------------------------------------------- parent
-def git(*args: str) -> str:
-    return subprocess.run(["git", *args], cwd=ROOT, check=True, capture_output=True, text=True).stdout.strip()
-
-
-def unpack(commit: str, dest: Path) -> None:
-    """``src`` and ``conf`` of ``commit`` into ``dest``."""
-    archive = subprocess.run(["git", "archive", commit, "src", "conf"], cwd=ROOT, check=True,
-                             capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
-
-
-def measure(cases, before: str, data_root, warmup: int, repeats: int, steps: int) -> dict:
-    from _step_cases import median
+def measure(cases, before: str, after: str, data_root, warmup: int, repeats: int, steps: int) -> dict:
+    from _step_cases import median, snapshot
 
     results = {}
-    with tempfile.TemporaryDirectory(prefix="deqsm_before_") as tmp:
-        unpack(before, Path(tmp))
-        trees = {"before": Path(tmp), "after": ROOT}
+    with tempfile.TemporaryDirectory(prefix="deqsm_speed_") as tmp:
+        trees = {}
+        for k, rev in (("before", before), ("after", after)):
+            (Path(tmp) / k).mkdir()
+            trees[k] = snapshot(rev, Path(tmp) / k)
         workers = {k: Worker(t, data_root) for k, t in trees.items()}
         try:
             for case in cases:
@@ -178,8 +170,8 @@ def render(res: dict) -> str:
              f"average (1, 5, 15 min) at the start {meta['load_start']}, at the end {meta['load_end']} — a shared "
              "2-core machine: other jobs ran throughout, so absolute times are noisy; the interleaved medians and "
              "the ratios taken within one tree are what to compare."), "",
-             (f"*before* = commit `{meta['before']}`; *after* = commit `{meta['after']}`"
-             f"{' plus uncommitted changes' if meta.get('dirty') else ''}. Protocol: each case is the module's own "
+             (f"*before* = commit `{meta['before']}`; *after* = commit `{meta['after']}` (each tree's `src` and "
+             "`conf` as committed). Protocol: each case is the module's own "
              f"`training_step` (`benchmarks/_step_cases.py`), one torch thread per worker, {meta['warmup']} "
              f"warm-up steps, then {meta['repeats']} interleaved rounds of {meta['steps']} step(s) per tree "
              "(alternating which tree goes first); median s/step."), ""]
@@ -209,6 +201,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--worker", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--cases", default=",".join(CASES), help=f"comma-separated, of {', '.join(CASES)}")
     ap.add_argument("--before", default="b3facaa", help="the commit measured as 'before'")
+    ap.add_argument("--after", default="HEAD", help="the commit measured as 'after'")
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=7, help="interleaved rounds per case")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per round and tree")
@@ -222,6 +215,7 @@ def main(argv=None) -> dict:
         worker(args.worker, args.root)
         return {}
     import _common
+    from _step_cases import commit_of
 
     from src.reporting import load_results, write_results
 
@@ -240,15 +234,13 @@ def main(argv=None) -> dict:
         ap.error(f"unknown case(s) {', '.join(unknown)}; valid: {', '.join(CASES)}")
     shown = [("<data dir>" if a == args.root else a) for a in (argv if argv is not None else sys.argv[1:])]
     load_start = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    measured = measure(cases, args.before, args.root, args.warmup, args.repeats, args.steps)
+    measured = measure(cases, args.before, args.after, args.root, args.warmup, args.repeats, args.steps)
     res = load_results(args.out, args.name) or {}
     merged = {**res.get("cases", {}), **measured}
     res = {"meta": {"command": _common.script_command("speed.py", shown),
                     "machine": _common.machine_facts().rsplit(";", 1)[0]
                     + "; 1 torch thread per worker",
-                    "before": git("rev-parse", "--short", args.before),
-                    "after": git("rev-parse", "--short", "HEAD"),
-                    "dirty": bool(git("status", "--porcelain", "--", "src", "conf", "benchmarks/_step_cases.py")),
+                    "before": commit_of(args.before), "after": commit_of(args.after),
                     "load_start": load_start, "load_end": " ".join(f"{x:.2f}" for x in os.getloadavg()),
                     "warmup": args.warmup, "repeats": args.repeats, "steps": args.steps,
                     "note": Path(args.note).read_text() if args.note else res.get("meta", {}).get("note")},
