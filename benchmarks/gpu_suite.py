@@ -232,7 +232,7 @@ def run_memory(size: dict, device: str, allowance: float) -> dict:
         share = left / (len(rows) - i)
         row = {"table": table, "method": method, "paper": paper_figures(table, method)}
         if left <= 0:
-            row.update(status="skipped", note=f"skipped: the part's {allowance:.0f} s were spent")
+            row.update(status="skipped", note=f"the part's {allowance:.0f} s were spent")
         else:
             row_t0 = time.perf_counter()
             try:
@@ -306,7 +306,7 @@ def run_ddp(size: dict, root: str, n_devices: int, accelerator: str, budget: flo
         point = {"devices": k, "command": shown(overrides)}
         left = budget - (time.perf_counter() - t0)
         if left < min_job_s(accelerator):
-            point.update(status="skipped", note=f"skipped: {max(left, 0):.0f} s left of the part's {budget:.0f} s")
+            point.update(status="skipped", note=f"{max(left, 0):.0f} s left of the part's {budget:.0f} s")
         else:
             res = train_job(overrides, left, threads)
             point["wall_s"] = res["wall_s"]
@@ -340,7 +340,7 @@ def run_fid(size: dict, root: str, accelerator: str, budget: float, total_s: flo
                  f"data.root={root}"]
     out = {"budget_s": budget, "command": shown(overrides), "steps": steps, "n_samples": n}
     if budget < min_job_s(accelerator):
-        out.update(status="skipped", note=f"skipped: {max(budget, 0):.0f} s left")
+        out.update(status="skipped", note=f"{max(budget, 0):.0f} s left in the budget")
         return out
     res = train_job(overrides, budget + FID_GRACE * total_s, threads)
     out["wall_s"] = res["wall_s"]
@@ -414,8 +414,6 @@ def render(res: dict) -> str:
                        f"test {p['test_s']:.0f} s), {p['s_per_step']:.4f} s/step."), ""]
         else:
             lines += [f"**{p['status']}**: {p.get('note', '')}", ""]
-    for part, why in meta.get("skipped_parts", {}).items():
-        lines += [f"Part `{part}` not run: {why}", ""]
     return "\n".join(lines)
 
 
@@ -468,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict:
                     "n_devices": n_devices, "torch": torch.__version__, "cuda": torch.version.cuda or "none",
                     "cudnn": torch.backends.cudnn.version() if device == "cuda" else "none",
                     "machine": machine_facts().split("; torch")[0], "budget_s": args.budget_s,
-                    "dry_run": args.dry_run, "parts": parts, "wall_s": 0.0, "skipped_parts": {}},
+                    "dry_run": args.dry_run, "parts": parts, "wall_s": 0.0},
            "parts": {}}
 
     def save():
