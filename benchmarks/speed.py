@@ -4,9 +4,11 @@ b3facaa, before the speed work of issue #26) against this checkout, on the same 
 Each case of ``_step_cases.py`` (DKEF exact SM on RedWine, NICE SSM, NCSN SSM-VR, SSM-VAE; the DEQ variant and
 the explicit one it is compared with) is its LightningModule's own ``training_step`` with its own optimisers
 (``_common.training_step``, outside a Trainer). Two long-lived worker processes, one per code tree, each with
-one torch thread, build the same seeded module and batches; after ``--warmup`` steps in each, the parent asks
-them for ``--steps`` timed steps at a time, alternating which tree goes first, ``--repeats`` times: interleaved
-repeats, so load on a shared machine falls on both trees alike. The figure is the median s/step.
+one torch thread, build the same seeded modules and batches — both cases of a family in both trees — and after
+``--warmup`` steps of each, the parent asks for ``--steps`` timed steps of each (case, tree) in turn, the first
+of the four rotating from round to round, ``--repeats`` rounds: interleaved repeats, so load on a shared
+machine falls alike on both trees (the speed-ups) and on both cases of a family (the DEQ / explicit ratios).
+The figure is the median s/step.
 
 Each tree is ``git archive <commit> src conf`` unpacked into a temporary folder (removed afterwards) and put
 first on its worker's ``sys.path``: "after" is ``--after`` (default HEAD) as committed, so edits in the working
@@ -109,6 +111,14 @@ class Worker:
 
 
 # ----------------------------------------------------------------------------------------------- parent
+def _families(cases) -> list[list[str]]:
+    """``cases`` grouped by family, in order: ``["dkef/deq", "dkef/3-layer", "nice/ssm"]`` -> 2 groups."""
+    groups: dict[str, list[str]] = {}
+    for case in cases:
+        groups.setdefault(case.split("/")[0], []).append(case)
+    return list(groups.values())
+
+
 def measure(cases, before: str, after: str, data_root, warmup: int, repeats: int, steps: int) -> dict:
     from _step_cases import median, snapshot
 
@@ -120,26 +130,28 @@ def measure(cases, before: str, after: str, data_root, warmup: int, repeats: int
             trees[k] = snapshot(rev, Path(tmp) / k)
         workers = {k: Worker(t, data_root) for k, t in trees.items()}
         try:
-            for case in cases:
-                facts = {k: w.ask(cmd="build", case=case)["facts"] for k, w in workers.items()}
-                for w in workers.values():
-                    w.ask(cmd="time", case=case, steps=warmup)
-                times = {k: [] for k in workers}
+            for group in _families(cases):  # a family's cases and both trees interleaved together
+                facts = {(c, k): w.ask(cmd="build", case=c)["facts"] for c in group for k, w in workers.items()}
+                combos = list(facts)
+                for c, k in combos:
+                    workers[k].ask(cmd="time", case=c, steps=warmup)
+                times = {ck: [] for ck in combos}
                 iters = {}
                 for r in range(repeats):
-                    order = ["before", "after"] if r % 2 == 0 else ["after", "before"]
-                    for k in order:
-                        reply = workers[k].ask(cmd="time", case=case, steps=steps)
-                        times[k] += reply["times"]
-                        iters[k] = reply["deq_iterations"]
-                for w in workers.values():
-                    w.ask(cmd="drop", case=case)
-                results[case] = {"facts": facts["after"],
-                                 **{k: {"median_s": median(v), "min_s": min(v), "max_s": max(v), "n": len(v),
-                                        "deq_iterations": iters[k]} for k, v in times.items()}}
-                r = results[case]
-                print(f"{case}: before {r['before']['median_s']:.4f} s, after {r['after']['median_s']:.4f} s "
-                      f"({r['before']['median_s'] / r['after']['median_s']:.2f}x)", flush=True)
+                    for c, k in combos[r % len(combos):] + combos[:r % len(combos)]:  # rotating first
+                        reply = workers[k].ask(cmd="time", case=c, steps=steps)
+                        times[(c, k)] += reply["times"]
+                        iters[(c, k)] = reply["deq_iterations"]
+                for c, k in combos:
+                    workers[k].ask(cmd="drop", case=c)
+                for case in group:
+                    results[case] = {"facts": facts[(case, "after")],
+                                     **{k: {"median_s": median(times[(case, k)]), "min_s": min(times[(case, k)]),
+                                            "max_s": max(times[(case, k)]), "n": len(times[(case, k)]),
+                                            "deq_iterations": iters[(case, k)]} for k in workers}}
+                    r = results[case]
+                    print(f"{case}: before {r['before']['median_s']:.4f} s, after {r['after']['median_s']:.4f} s "
+                          f"({r['before']['median_s'] / r['after']['median_s']:.2f}x)", flush=True)
         finally:
             for w in workers.values():
                 w.close()
@@ -173,8 +185,8 @@ def render(res: dict) -> str:
              (f"*before* = commit `{meta['before']}`; *after* = commit `{meta['after']}` (each tree's `src` and "
              "`conf` as committed). Protocol: each case is the module's own "
              f"`training_step` (`benchmarks/_step_cases.py`), one torch thread per worker, {meta['warmup']} "
-             f"warm-up steps, then {meta['repeats']} interleaved rounds of {meta['steps']} step(s) per tree "
-             "(alternating which tree goes first); median s/step."), ""]
+             f"warm-up steps, then {meta['repeats']} interleaved rounds of {meta['steps']} step(s) per (case, tree), "
+             "both cases of a family and both trees in each round (the first rotating); median s/step."), ""]
     head = ["case", "before s/step", "after s/step", "speed-up", "DEQ iters (after)", "what one step is"]
     lines += ["| " + " | ".join(head) + " |", "|---|---:|---:|---:|---:|---|"]
     for case, r in res["cases"].items():
