@@ -37,6 +37,10 @@ SHOWS = {
                    "features (the paper's headline ratio).",
     "dkef_softplus_injection": "The DKEF grid as committed before the linear DEQ injection (softplus "
                                "injection): the `— old` rows of `dkef.md` (`--old`).",
+    "gpu_suite": "One run of `benchmarks/gpu_suite.py` on a lent H100 (170 s budget): paper Tables 1 and 5 at batch "
+                 "128 (peak CUDA memory, saved-for-backward bytes, s/iter), DDP on the one GPU present, a short "
+                 "NCSN MNIST FID run. Its DEQ rows hit the 128-iteration cap (absolute tolerance 1e-5 at the "
+                 "CIFAR-10 size in float32), so their s/iter is an upper bound.",
     "ncsn_memory": "Paper Table 5 at the CIFAR-10 size: parameters, saved bytes and time of the score graph and of "
                    "one training step, RefineNet vs TwoRes vs DEQ.",
     "ncsn_memory_cause": "Score-graph memory of deqsm's NCSN variants and of the authors' code's networks: is the "
