@@ -60,8 +60,11 @@ class ConditionalInstanceNorm2dPlus(nn.Module):
     """CIN++ (NCSN): instance norm plus the normalised channel-means term, γ/α/β embedded per label.
 
     Initialisation as NCSN: γ, α ~ N(1, 0.02²), β = 0 (``bias=False`` drops β). ``norm(x, labels, act=True)``
-    is ELU(CIN++(x)) (:func:`src.models.ncsn_norm.norm_act`: only x is saved for backward).
+    is ELU(CIN++(x)) (:func:`src.models.ncsn_norm.norm_act`: only x is saved for backward; ``recompute = False``
+    on an instance gives the plain autograd map, for comparisons).
     """
+
+    recompute = True
 
     def __init__(self, num_features: int, num_classes: int, bias: bool = True, eps: float = 1e-5):
         super().__init__()
@@ -73,14 +76,16 @@ class ConditionalInstanceNorm2dPlus(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor, act: bool = False) -> torch.Tensor:
         rows = self.embed(labels).to(x.dtype).chunk(3 if self.bias else 2, dim=-1)  # γ, α[, β]  [B, C] each
-        return norm_act(x, *rows, act=act, eps=self.eps)
+        return norm_act(x, *rows, act=act, eps=self.eps, recompute=self.recompute)
 
 
 class InstanceNorm2dPlus(nn.Module):
     """Instance norm++ without conditioning (NCSNv2): one γ, α, β per channel, whatever the noise level.
 
     Initialisation as NCSNv2: γ, α ~ N(1, 0.02²), β = 0. ``labels`` are accepted and ignored, so the blocks
-    call every norm the same way."""
+    call every norm the same way. ``recompute``: as :class:`ConditionalInstanceNorm2dPlus`."""
+
+    recompute = True
 
     def __init__(self, num_features: int, bias: bool = True, eps: float = 1e-5):
         super().__init__()
@@ -91,7 +96,7 @@ class InstanceNorm2dPlus(nn.Module):
 
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None, act: bool = False) -> torch.Tensor:
         rows = (self.gamma, self.alpha) if self.beta is None else (self.gamma, self.alpha, self.beta)
-        return norm_act(x, *(r.to(x.dtype) for r in rows), act=act, eps=self.eps)
+        return norm_act(x, *(r.to(x.dtype) for r in rows), act=act, eps=self.eps, recompute=self.recompute)
 
 
 def norm_layer(num_features: int, num_classes: int | None) -> nn.Module:

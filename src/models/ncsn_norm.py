@@ -16,8 +16,11 @@ step's ``create_graph`` backward keeps two more (the gradient flowing back throu
 ELU's second derivative): six per norm, and at NCSN's 36–71 norms about half of the bytes the step saved
 (``benchmarks/ncsn_memory.py --profile``). :func:`norm_act` (``recompute=True``, the default) keeps two: its
 input x (plus the ``[B, C]`` rows), from which it recomputes the cheap statistics in its backward, and the
-gradient arriving in that backward, which is itself a recomputing function (its vector-Jacobian product
-written out: a few passes over x), so the second backward of the ``create_graph`` step recomputes the rest.
+gradient arriving in that backward, which is itself a recomputing function, so the second backward of the
+``create_graph`` step recomputes the rest. Its first and second derivatives are written out (``f.vjp`` and
+``f.vjp.vjp`` of :func:`_norm_act`: a few passes over x each, where autograd's takes about three times as
+many small operations), so the recomputation costs about what the plain map's backward did (measured: the
+step's CPU time is unchanged within the machine's noise, benchmarks/results/ncsn_memory.md).
 Gradients are those of the plain map at every order (each backward is the same recomputing function applied
 to the vector-Jacobian product of the one before); float64 tests to third order: tests/test_ncsn_norm.py.
 
@@ -99,6 +102,81 @@ def _norm_act(act: bool, eps: float):
             return tuple(g if g.shape == p.shape else g.sum(dim=0)
                          for g, p in zip(grads, (x, gamma, alpha, beta)))
 
+    def vjp2(*args, create_graph=False):
+        """The vector-Jacobian product of :func:`vjp`: cotangents (Ḡ of ∂x, then those of ∂γ, ∂α[, ∂β]) and
+        vjp's inputs (g, x, γ, α[, β]) ↦ grads w.r.t. g, x, γ, α[, β] — the second derivative of the norm (what
+        the backward of a create_graph step runs), reverse mode of vjp's formulas written out. Rows'
+        cotangents of shape ``[C]`` (a shared row) broadcast over the batch as its sum did in vjp."""
+        k_rows = (len(args) - 3) // 2  # rows: 2 without β, 3 with (args = Ḡ, k dots, g, x, k rows)
+        G, dots, (grad, x, gamma, alpha), beta = args[0], args[1:k_rows + 1], args[k_rows + 1:k_rows + 5], None
+        if k_rows == 3:
+            beta = args[-1]
+        with torch.set_grad_enabled(create_graph):
+            C, N = x.shape[1], x.shape[2] * x.shape[3]
+            xc, a, c, r, u, sd, mhat = _affine(x, gamma, alpha, beta, eps)
+            n = xc * a + c if act else None
+            gn = torch.ops.aten.elu_backward(grad, 1.0, 1, 1, False, n) if act else grad
+            s1, t = gn.sum(dim=(2, 3)), (gn * xc).sum(dim=(2, 3))
+            g_m = gamma * alpha * s1
+            w = (g_m * u).sum(dim=-1, keepdim=True)
+            c1 = C - 1
+            # gx = a gn + k xc + k0, k = −γ r³ t / N, k0 = (g_mu − γ r s1) / N
+            a_bar, k_bar, k0_bar = (G * gn).sum(dim=(2, 3)), (G * xc).sum(dim=(2, 3)), G.sum(dim=(2, 3))
+            gmu_bar = k0_bar / N
+            gam_bar = -(r * s1 * k0_bar + r**3 * t * k_bar) / N
+            r_bar = -(gamma * s1 * k0_bar + 3 * gamma * r**2 * t * k_bar) / N
+            s1_bar = -gamma * r * k0_bar / N
+            t_bar = -gamma * r**3 * k_bar / N
+            # g_mu = g_u − mean_c g_u, g_u = g_m / sd − u w / ((C − 1) sd³), w = Σ_c g_m u
+            gu_bar = gmu_bar - gmu_bar.mean(dim=-1, keepdim=True)
+            w_bar = -(u * gu_bar).sum(dim=-1, keepdim=True) / (c1 * sd**3)
+            gm_bar = gu_bar / sd + w_bar * u
+            u_bar = -w * gu_bar / (c1 * sd**3) + w_bar * g_m
+            sd_bar = (-g_m * gu_bar / sd**2 + 3 * u * w * gu_bar / (c1 * sd**4)).sum(dim=-1, keepdim=True)
+            # g_m = γ α s1
+            gam_bar = gam_bar + alpha * s1 * gm_bar
+            alp_bar = gamma * s1 * gm_bar
+            s1_bar = s1_bar + gamma * alpha * gm_bar
+            # ∂γ = r t + α m̂ s1, ∂α = γ m̂ s1, ∂β = s1
+            d_gamma, d_alpha = dots[0], dots[1]
+            r_bar = r_bar + t * d_gamma
+            t_bar = t_bar + r * d_gamma
+            alp_bar = alp_bar + mhat * s1 * d_gamma
+            gam_bar = gam_bar + mhat * s1 * d_alpha
+            mhat_bar = (alpha * d_gamma + gamma * d_alpha) * s1
+            s1_bar = s1_bar + alpha * mhat * d_gamma + gamma * mhat * d_alpha + (dots[2] if k_rows == 3 else 0)
+            # s1 = Σ gn, t = Σ gn xc, and gx's a gn + k xc
+            gn_bar = G * a + (xc * _rows(t_bar) + _rows(s1_bar))
+            k = _rows(-gamma * r**3 * t / N)
+            xc_bar = G * k + gn * _rows(t_bar)
+            if act:  # gn = g ELU'(n): ∂/∂g = ELU'(n), ∂/∂n = g ELU''(n) = gn [n ≤ 0]
+                g_bar = torch.ops.aten.elu_backward(gn_bar, 1.0, 1, 1, False, n)
+                n_bar = (gn_bar * gn).masked_fill(n > 0, 0.0)
+                a_bar = a_bar + (n_bar * xc).sum(dim=(2, 3))
+                c_bar = n_bar.sum(dim=(2, 3))
+                xc_bar = xc_bar + n_bar * a
+                # c = γ α m̂ + β
+                gam_bar = gam_bar + alpha * mhat * c_bar
+                alp_bar = alp_bar + gamma * mhat * c_bar
+                mhat_bar = mhat_bar + gamma * alpha * c_bar
+            else:
+                g_bar, c_bar = gn_bar, torch.zeros_like(s1)
+            # a = γ r
+            gam_bar = gam_bar + r * a_bar
+            r_bar = r_bar + gamma * a_bar
+            # m̂ = u / sd, sd = √(Σ u² / (C − 1) + ε), u = μ − mean_c μ
+            u_bar = u_bar + mhat_bar / sd
+            sd_bar = sd_bar - (mhat_bar * u).sum(dim=-1, keepdim=True) / sd**2
+            u_bar = u_bar + u * sd_bar / (c1 * sd)
+            m_bar = u_bar - u_bar.mean(dim=-1, keepdim=True)
+            # r = (mean xc² + ε)^(−1/2), xc = x − μ, μ = mean x
+            xc_bar = xc_bar + xc * _rows(-r**3 * r_bar / N)
+            x_bar = xc_bar + _rows((m_bar - xc_bar.sum(dim=(2, 3))) / N)
+            grads = [g_bar, x_bar, gam_bar, alp_bar] + ([c_bar] if beta is not None else [])
+            return tuple(g if g.shape == p.shape else g.sum(dim=0)
+                         for g, p in zip(grads, (grad, x, gamma, alpha, beta)))
+
+    vjp.vjp = vjp2
     f.vjp = vjp
     return f
 
