@@ -89,8 +89,9 @@ class DKEFLitModule(ScoreMatchingModule):
             raise ValueError("DKEF training needs batches of at least 2 points (α fit half + loss half)")
         half = x.shape[0] // 2
         x_fit, x_loss = x[:half], x[half:]
-        alpha = self.net.fit_alpha(x_fit, self.alpha_fit, **self._alpha_kwargs())
-        return self.objective(self.net.with_alpha(alpha), x_loss)
+        with self.net.shared_inducing_features():  # φ(inducing points) once for the fit and the loss
+            alpha = self.net.fit_alpha(x_fit, self.alpha_fit, **self._alpha_kwargs())
+            return self.objective(self.net.with_alpha(alpha), x_loss)
 
     def refit_alpha(self) -> None:
         """Exact α on (up to) ``alpha_refit_points`` training points, stored in the model for evaluation."""
