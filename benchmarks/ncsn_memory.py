@@ -1,24 +1,31 @@
-"""Memory and time of NCSN score networks at the CIFAR-10 size: RefineNet vs TwoRes vs DEQ (paper Table 5).
+"""Memory and time of NCSN score networks at the CIFAR-10 size: RefineNet vs TwoRes vs DEQ, in two settings.
 
-Each variant is the score network of ``src.lit.ncsn.NCSNLitModule`` at 3×32×32, ngf 128, 10 noise levels,
-trained by the σ²-weighted noise-conditional SSM-VR loss (the paper's), measured after ``--warmup`` steps:
+``--settings authors`` (the default; issue 31): the paper authors' code's CIFAR-10 SSM-VR settings
+(``ncsn/configs/cifar10_ssm.yml``: 232 geometric levels 50 → 0.01, Gaussian projections, ngf 128) at batch 4,
+each network in both conditionings (``model.conditioning``: ``cond_norm``, NCSN-v1's CIN++ with a row per
+level; ``sigma``, NCSNv2's unconditional network with output / σ) and, as the *before* row, ``cond_norm`` with
+the plain autograd instance norm++ (the norms' ``recompute`` switched off: the step as it was before the
+recomputing norm of ``src/models/ncsn_norm.py``). Per row: parameters, bytes saved for backward over one whole
+training step (``NCSNLitModule.training_step`` itself, run outside a Trainer by ``_common.training_step``: loss
+with its create_graph gradient, backward, Adam), max RSS of the process, wall and CPU seconds per step, DEQ
+solver iterations. Each row runs in its own process (``--worker``), so max RSS is that row's; ``--rounds 2``
+runs the rows a second time in the opposite order and takes medians over both (the machine is shared). The
+authors' figures (issue 31: their code on one pinned core, the same step) are shown beside ours.
+``--profile`` adds, per row, the saved bytes by module (forward) and by backward node (the create_graph
+backward) and the operators with the most self CPU time of one step (``torch.profiler``).
 
-- ``params``;
-- ``score``: the score s(x̃, i) computed with autograd on (x̃ and the parameters) — the graph SSM-VR
-  differentiates, the paper's "memory of ∇ₓ log p̃'s graph" — saved-for-backward MB and ms;
-- ``step``: one whole training step, ``NCSNLitModule.training_step`` itself (run outside a Trainer by
-  ``_common.training_step``: loss with create_graph, backward to every parameter, the Adam step of
-  ``conf/model/ncsn.yaml``) — saved MB and ms;
-- DEQ solver iterations (forward) and the contraction rate of the map at the fixed point.
+``--settings table5`` (paper Table 5): 10 levels 1 → 0.01, ``cond_norm``, one Rademacher projection, batch 2;
+the score s(x̃, i) alone and the whole step — saved MB and ms (``build`` and ``measure``, also used by
+``gpu_suite.py``).
 
 Saved bytes come from ``torch.autograd.graph.saved_tensors_hooks`` (distinct storages; the same on any
-device). The paper's figures (Table 5) are for batch 128 on a GPU; a CPU run here uses a small
-batch (``--batch``, default 2), so compare ratios between rows, not absolute numbers.
+device).
 
-    python benchmarks/ncsn_memory.py                      # CPU, 1 thread, batch 2
-    python benchmarks/ncsn_memory.py --device cuda --batch 128
+    python benchmarks/ncsn_memory.py --rounds 2            # authors' settings, CPU, 1 thread
+    python benchmarks/ncsn_memory.py --settings table5     # Table 5's, batch 2
+    python benchmarks/ncsn_memory.py --settings table5 --device cuda --batch 128
 
-Results are merged by (device, batch) into ``benchmarks/results/ncsn_memory.json`` and rendered to
+Results are merged by setting into ``benchmarks/results/ncsn_memory.json`` and rendered to
 ``benchmarks/results/ncsn_memory.md``.
 """
 
@@ -27,11 +34,26 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import resource
 import statistics
+import subprocess
+import sys
+import time
+from collections import Counter
 from pathlib import Path
 
 import torch
-from _common import RESULTS, ROOT, measured, trainer_free, training_step
+from _common import (
+    RESULTS,
+    ROOT,
+    machine_facts,
+    measured,
+    note_lines,
+    script_command,
+    thread_env,
+    trainer_free,
+    training_step,
+)
 from omegaconf import OmegaConf
 
 from src.deq.config import DEQConfig
@@ -55,14 +77,17 @@ PAPER = {  # Table 5 (batch 128, GPU): FID, ms/iteration, params, memory of the 
 MB = 2**20
 
 
-def build(arch: str, deq: bool, depth: int | None, ngf: int, device: str, overrides: dict | None = None
-          ) -> NCSNLitModule:
+def build(arch: str, deq: bool, depth: int | None, ngf: int, device: str, overrides: dict | None = None, *,
+          levels: int = 10, sigma_begin: float = 1.0, conditioning: str = "cond_norm",
+          projection: str = "rademacher") -> NCSNLitModule:
     """The ``model=ncsn`` module at 3×32×32 with the SSM-VR loss and the optimiser of ``conf/model/ncsn.yaml``;
-    DEQ settings: ``conf/deq/true.yaml``'s defaults (Picard, K = 2 phantom) with ``overrides``."""
+    DEQ settings: ``conf/deq/true.yaml``'s defaults (Picard, K = 2 phantom) with ``overrides``. Defaults: Table
+    5's setting (10 levels 1 → 0.01, cond_norm, Rademacher projections); :data:`AUTHORS_SETTINGS` the authors'."""
     deq_cfg = {"enabled": deq, **DEQConfig().to_dict(), **(overrides or {})}
     optimizer = OmegaConf.to_container(OmegaConf.load(ROOT / "conf" / "model" / "ncsn.yaml").optimizer)
-    return NCSNLitModule((3, 32, 32), loss={"name": "ssm_vr"}, deq=deq_cfg, depth=depth, arch=arch, ngf=ngf,
-                         optimizer=optimizer).to(device)
+    return NCSNLitModule((3, 32, 32), loss={"name": "ssm_vr", "projection": projection}, deq=deq_cfg, depth=depth,
+                         arch=arch, ngf=ngf, optimizer=optimizer, conditioning=conditioning,
+                         noise={"sigma_begin": sigma_begin, "sigma_end": 0.01, "num_classes": levels}).to(device)
 
 
 def measure(module: NCSNLitModule, batch: int, warmup: int, steps: int, device: str) -> dict:
@@ -107,16 +132,17 @@ def measure(module: NCSNLitModule, batch: int, warmup: int, steps: int, device: 
     return rec
 
 
-def render(results: dict) -> str:
-    lines = ["# NCSN at the CIFAR-10 size: RefineNet vs TwoRes vs DEQ (paper Table 5)", "",
-             ("`python benchmarks/ncsn_memory.py` — 3×32×32, ngf 128, 10 noise levels, the noise-conditional "
+def _render_table5(results: dict) -> list[str]:
+    """The ``--settings table5`` sections (score and step, beside Table 5)."""
+    lines = ["## Paper Table 5's setting", "",
+             ("`python benchmarks/ncsn_memory.py --settings table5` — 3×32×32, ngf 128, 10 noise levels, the noise-conditional "
              "SSM-VR step (σ²-weighted, one Rademacher projection), Adam; DEQ: Picard, tol 1e-5, K = 2 phantom "
              "steps, warm start. *score* = s(x̃, i) with autograd (the graph SSM-VR differentiates); *step* = the "
              "whole training step. Saved MB = bytes autograd saves for backward (distinct storages). Untrained "
              "networks (initial weights)."), ""]
     for key, res in sorted(results.items()):
         meta = res["meta"]
-        lines += [f"## {key}", "",
+        lines += [f"### {key}", "",
                   (f"{meta['device_name']}, torch {meta['torch']}, {meta['threads']} thread(s), batch {meta['batch']}, "
                   f"median of {meta['steps']} steps after {meta['warmup']} warm-up. {meta['note']}"), ""]
         cuda = all("score_peak_cuda_MB" in r for r in res["rows"])
@@ -161,24 +187,11 @@ def render(results: dict) -> str:
                        f"contracts at {spec['contraction_rate']:.1e} in {spec['deq_iterations']:.1f} iterations: "
                        f"score {spec['score_saved_MB']:.1f} MB / {spec['score_ms']:.0f} ms, step "
                        f"{spec['step_saved_MB']:.1f} MB / {spec['step_ms']:.0f} ms."), ""]
-    return "\n".join(lines)
+    return lines
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--batch", type=int, default=2)
-    ap.add_argument("--ngf", type=int, default=128)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--note", default="No GPU was lent for this run: CPU figures only.")
-    ap.add_argument("--out", type=Path, default=RESULTS)
-    ap.add_argument("--render", action="store_true", help="only rebuild the markdown from the saved JSON")
-    args = ap.parse_args(argv)
-    if args.render:
-        rerender(args.out, "ncsn_memory", render)
-        return
+def run_table5(args) -> tuple[str, dict]:
+    """Table 5's rows (score and step) in this process."""
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     rows = []
@@ -191,9 +204,235 @@ def main(argv: list[str] | None = None) -> None:
     name = (torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "CPU")
     key = f"{args.device} batch {args.batch} ngf {args.ngf}"
     meta = {"device_name": name, "torch": torch.__version__, "threads": args.threads, "batch": args.batch,
-            "steps": args.steps, "warmup": args.warmup, "note": args.note}
+            "steps": args.steps, "warmup": args.warmup,
+            "note": args.note or "No GPU was lent for this run: CPU figures only."}
+    return key, {"meta": meta, "rows": rows}
+
+
+AUTHORS_SETTINGS = {"levels": 232, "sigma_begin": 50.0, "projection": "gaussian"}
+NETWORKS = {"DEQ": ("deq", True, None), "TwoRes": ("deq", False, 1), "RefineNet": ("refinenet", False, None)}
+# (label, conditioning, recompute the norms): the step before the recomputing norm, then both conditionings
+CONDITIONS = [("cond_norm, plain norms (before)", "cond_norm", False), ("cond_norm", "cond_norm", True),
+              ("sigma", "sigma", True)]
+# issue 31, the authors' code (ncsn/, configs/cifar10_ssm.yml) on one pinned core beside ours before the change:
+# s/step, saved for backward MiB, max RSS MiB, params M
+AUTHORS = {"DEQ": (9.71, 327, 1021, 5.50), "TwoRes": (12.22, 317, 1016, 7.39), "RefineNet": (16.29, 562, 1696, 29.69)}
+ISSUE_OURS = {"DEQ": (9.11, 480, 1487, 12.48), "TwoRes": (8.27, 482, 1525, 12.46),
+              "RefineNet": (17.31, 800, 2380, 38.57)}
+TARGET_SPEEDUP = 1.2
+
+
+def _attributed_step(module, x, optimizers) -> dict:
+    """One training step with the saved bytes attributed: forward saves to the innermost module class running
+    (norm+ELU counted as the norm), create_graph-backward saves to the autograd node saving them; and the
+    operators with the most self CPU time (``torch.profiler``)."""
+    names: list[str] = []
+    by: Counter = Counter()
+    seen: set = set()
+    hooks = []
+
+    def enter(mod, _inputs):
+        names.append(type(mod).__name__)
+
+    def leave(_mod, _inputs, _output):
+        names.pop()  # returns None: the output stays
+
+    for mod in module.net.modules():
+        hooks += [mod.register_forward_pre_hook(enter), mod.register_forward_hook(leave)]
+
+    def pack(t):
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            node = torch._C._current_autograd_node()
+            where = f"forward: {names[-1]}" if names else f"backward: {node.name() if node else 'other'}"
+            by[where] += t.untyped_storage().nbytes()
+        return t.detach()
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof, \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        training_step(module, x, optimizers)
+    for h in hooks:
+        h.remove()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events)
+    return {"saved_MB": {k: v / MB for k, v in by.most_common()},
+            "ops": [{"op": e.key, "self_s": e.self_cpu_time_total / 1e6, "share": e.self_cpu_time_total / total,
+                     "calls": e.count} for e in events[:12]]}
+
+
+def worker(spec: dict) -> dict:
+    """One row of the authors'-settings comparison, in this process: ``spec["warmup"]`` + ``spec["steps"]``
+    training steps on seeded batches (the same in every row), saved bytes, times, DEQ iterations, max RSS."""
+    torch.set_num_threads(int(spec["threads"]))
+    torch.manual_seed(0)
+    arch, deq, depth = NETWORKS[spec["network"]]
+    module = build(arch, deq, depth, spec["ngf"], "cpu", levels=spec["levels"], sigma_begin=spec["sigma_begin"],
+                   conditioning=spec["conditioning"], projection=spec["projection"])
+    for m in module.net.modules():
+        if hasattr(m, "recompute"):
+            m.recompute = bool(spec["recompute"])
+    optimizers = trainer_free(module, "cpu")
+    g = torch.Generator().manual_seed(0)
+    rec = {"params": sum(p.numel() for p in module.parameters()), "saved_MB": 0.0, "wall_s": [], "cpu_s": [],
+           "deq_iterations": []}
+    for k in range(spec["warmup"] + spec["steps"]):
+        x = torch.rand(spec["batch"], 3, 32, 32, generator=g)
+        c0 = time.process_time()
+        step = measured(lambda x=x: training_step(module, x, optimizers))
+        cpu = time.process_time() - c0
+        block = module.net.deq_block()
+        if k >= spec["warmup"]:
+            rec["wall_s"].append(step["seconds"])
+            rec["cpu_s"].append(cpu)
+            rec["saved_MB"] = max(rec["saved_MB"], step["saved_bytes"] / MB)
+            if block is not None:
+                rec["deq_iterations"].append(block.last_stats["iterations"])
+    rec["max_rss_MB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if spec.get("profile"):
+        rec["profile"] = _attributed_step(module, torch.rand(spec["batch"], 3, 32, 32, generator=g), optimizers)
+    return rec
+
+
+def run_authors(args, on_row=None) -> dict:
+    """Every network × condition in its own ``--worker`` process, ``--rounds`` times (odd rounds reversed)."""
+    specs = [{"network": net, "label": label, "conditioning": cond, "recompute": rec, "batch": args.batch,
+              "ngf": args.ngf, "threads": args.threads, "warmup": args.warmup, "steps": args.steps,
+              "profile": args.profile, **AUTHORS_SETTINGS} for net in args.networks for label, cond, rec in CONDITIONS]
+    rows: dict = {}
+    meta = {"settings": "authors", "machine": machine_facts(), "command": script_command("ncsn_memory.py"),
+            "batch": args.batch, "ngf": args.ngf, "threads": args.threads, "rounds": args.rounds,
+            "warmup": args.warmup, "steps": args.steps, "note": args.note, **AUTHORS_SETTINGS}
+    for r in range(args.rounds):
+        for spec in (specs if r % 2 == 0 else specs[::-1]):
+            spec = {**spec, "profile": spec["profile"] and r == 0}  # one profiled step per row
+            out = subprocess.run([sys.executable, __file__, "--worker", json.dumps(spec)], check=True,
+                                 capture_output=True, text=True, env=thread_env(args.threads)).stdout
+            rec = json.loads(out.strip().splitlines()[-1])
+            key = (spec["network"], spec["label"])
+            if key not in rows:
+                rows[key] = {"network": spec["network"], "conditioning": spec["label"], **rec}
+            else:
+                row = rows[key]
+                for k in ("wall_s", "cpu_s", "deq_iterations"):
+                    row[k] += rec[k]
+                row["saved_MB"] = max(row["saved_MB"], rec["saved_MB"])
+                row["max_rss_MB"] = max(row["max_rss_MB"], rec["max_rss_MB"])
+            print(json.dumps({k: v for k, v in rows[key].items() if k != "profile"}), flush=True)
+            if on_row is not None:  # what is measured so far, written after every row
+                on_row({"meta": meta, "rows": list(rows.values())})
+    return {"meta": meta, "rows": list(rows.values())}
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else float("nan")
+
+
+def _render_authors(key: str, res: dict) -> list[str]:
+    m = res["meta"]
+    lines = [f"## The authors' CIFAR-10 SSM-VR settings ({key})", "",
+             (f"`{m['command']}` — {m['machine']}. 3×32×32, batch {m['batch']}, ngf {m['ngf']}, {m['levels']} "
+              f"geometric levels {m['sigma_begin']:g} → 0.01, SSM-VR with {m['projection']} projections, Adam; "
+              f"DEQ: Picard, tol 1e-5, K = 2 phantom steps, warm start. Untrained networks, seeded batches. Each "
+              f"row in its own process, {m['rounds']} round(s) (a second one in the opposite order), "
+              f"{m['steps']} steps each after {m['warmup']} warm-up: medians over all of them. *saved* = bytes "
+              "autograd keeps for backward over one whole step (distinct storages); *max RSS* = the process's "
+              "peak (Python, torch, the model, Adam's state, the step). *authors* = their code on one pinned "
+              "core, from issue 31 (s/step, saved MiB, max RSS MiB, params M); *ours in issue 31* = our step "
+              "before this change, measured there beside theirs."), ""]
+    lines += note_lines(m)
+    head = ["network", "conditioning", "params", "saved MiB", "max RSS MiB", "s/step wall", "s/step CPU",
+            "DEQ iters", "authors", "ours in issue 31"]
+    body = []
+    for row in res["rows"]:
+        a, o = AUTHORS[row["network"]], ISSUE_OURS[row["network"]]
+        iters = f"{statistics.mean(row['deq_iterations']):.1f}" if row["deq_iterations"] else "–"
+        body.append([row["network"], row["conditioning"], f"{row['params'] / 1e6:.2f}M", f"{row['saved_MB']:.0f}",
+                     f"{row['max_rss_MB']:.0f}", f"{_median(row['wall_s']):.2f}", f"{_median(row['cpu_s']):.2f}",
+                     iters, f"{a[0]} s, {a[1]} MiB, {a[2]} MiB, {a[3]}M", f"{o[0]} s, {o[1]} MiB, {o[2]} MiB"])
+    lines += markdown_table(head, body)
+    lines += ["", ("Against the authors' code. Time: this machine is shared, so our after/before CPU-time ratio, "
+                   "measured here in one run, scales our issue-31 time (measured beside theirs) — *est. s/step* = "
+                   "issue-31 s/step × (CPU s/step ÷ CPU s/step of the before row); the target is authors ÷ ours ≥ "
+                   f"{TARGET_SPEEDUP}. Memory: saved bytes against theirs directly (the same count on any "
+                   "machine)."), ""]
+    head = ["network", "conditioning", "saved MiB / authors'", "est. s/step", "authors ÷ ours", "targets met"]
+    body = []
+    rows = {(r["network"], r["conditioning"]): r for r in res["rows"]}
+    for row in res["rows"]:
+        before = rows.get((row["network"], CONDITIONS[0][0]))
+        if before is None or row is before:
+            continue
+        a, o = AUTHORS[row["network"]], ISSUE_OURS[row["network"]]
+        est = o[0] * _median(row["cpu_s"]) / _median(before["cpu_s"])
+        speed, mem = a[0] / est, row["saved_MB"] <= a[1]
+        met = ", ".join([("memory" if mem else "memory not met"),
+                         ("time" if speed >= TARGET_SPEEDUP else "time not met")])
+        body.append([row["network"], row["conditioning"], f"{row['saved_MB']:.0f} / {a[1]}", f"{est:.2f}",
+                     f"{speed:.2f}", met])
+    lines += markdown_table(head, body) + [""]
+    prof = [r for r in res["rows"] if "profile" in r]
+    if prof:
+        lines += ["### Profile of one step", "",
+                  ("Saved MiB by where they are saved (forward: the innermost module running; backward: the "
+                   "autograd node of the create_graph backward), and the operators with the most self CPU time "
+                   "(share of the step; profiler on)."), ""]
+        for row in prof:
+            p = row["profile"]
+            top = sorted(p["saved_MB"].items(), key=lambda kv: -kv[1])[:8]  # the JSON keeps keys sorted
+            saved = "; ".join(f"{k} {v:.0f}" for k, v in top)
+            ops = "; ".join(f"{o['op']} {100 * o['share']:.0f} % ({o['calls']})" for o in p["ops"][:8])
+            lines += [f"- **{row['network']}, {row['conditioning']}** — saved: {saved}. Time: {ops}."]
+        lines += [""]
+    return lines
+
+
+def render(results: dict) -> str:
+    lines = ["# NCSN at the CIFAR-10 size: RefineNet vs TwoRes vs DEQ", ""]
+    authors = {k: v for k, v in results.items() if v["meta"].get("settings") == "authors"}
+    for key, res in sorted(authors.items()):
+        lines += _render_authors(key, res)
+    table5 = {k: v for k, v in results.items() if k not in authors}
+    if table5:
+        lines += _render_table5(table5)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--settings", choices=("authors", "table5"), default="authors")
+    ap.add_argument("--device", default="cpu", help="table5 only (the authors' comparison runs on the CPU)")
+    ap.add_argument("--batch", type=int, default=None, help="default: 4 (authors), 2 (table5)")
+    ap.add_argument("--ngf", type=int, default=128)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=1, help="authors: rounds of every row (odd ones reversed)")
+    ap.add_argument("--profile", action="store_true", help="authors: saved bytes by module and top operators")
+    ap.add_argument("--networks", nargs="+", choices=list(NETWORKS), default=list(NETWORKS), help="authors: rows")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--note", default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--render", action="store_true", help="only rebuild the markdown from the saved JSON")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    if args.render:
+        rerender(args.out, "ncsn_memory", render)
+        return
     results = load_results(args.out, "ncsn_memory")
-    results[key] = {"meta": meta, "rows": rows}
+    if args.settings == "authors":
+        args.batch = args.batch or 4
+        key = f"cpu batch {args.batch} ngf {args.ngf} {AUTHORS_SETTINGS['levels']} levels"
+
+        def partial(section):
+            write_results(args.out, "ncsn_memory", {**results, key: section}, render, indent=2, sort_keys=True)
+
+        results[key] = run_authors(args, partial)
+    else:
+        args.batch = args.batch or 2
+        key, results[key] = run_table5(args)
     write_results(args.out, "ncsn_memory", results, render, indent=2, sort_keys=True)
     print(f"-> {args.out / 'ncsn_memory'}.json and .md")
 
