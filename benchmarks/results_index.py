@@ -41,8 +41,9 @@ SHOWS = {
                  "128 (peak CUDA memory, saved-for-backward bytes, s/iter), DDP on the one GPU present, a short "
                  "NCSN MNIST FID run. Its DEQ rows hit the 128-iteration cap (absolute tolerance 1e-5 at the "
                  "CIFAR-10 size in float32), so their s/iter is an upper bound.",
-    "ncsn_memory": "Paper Table 5 at the CIFAR-10 size: parameters, saved bytes and time of the score graph and of "
-                   "one training step, RefineNet vs TwoRes vs DEQ.",
+    "ncsn_memory": "NCSN at the CIFAR-10 size, RefineNet vs TwoRes vs DEQ: one SSM-VR step at the paper authors' "
+                   "settings (232 levels, both conditionings, before/after the recomputing norm; saved bytes, max "
+                   "RSS, s/step beside their code's, profile), and Table 5's setting (score graph and step).",
     "ncsn_memory_cause": "Score-graph memory of deqsm's NCSN variants and of the authors' code's networks: is the "
                          "architecture the cause of the 0.5 vs 0.28 memory-ratio gap?",
     "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "
