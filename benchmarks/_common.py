@@ -180,12 +180,18 @@ def result_options(ap: argparse.ArgumentParser, name: str | None = None) -> None
 
 
 def rendered(args, stem: str, render: Callable[[dict], str]) -> bool:
-    """With ``--render``: ``<out>/<stem>.md`` rebuilt from ``<out>/<stem>.json`` (True: nothing else to do)."""
+    """With ``--render``: ``<out>/<stem>.md`` rebuilt from ``<out>/<stem>.json`` (True: nothing else to do). With
+    ``--note FILE`` too: a finding written after the run, stored in the JSON's ``meta.note`` first."""
     if not args.render:
         return False
-    from src.reporting import rerender
+    from src.reporting import load_results, rerender, write_results
 
-    rerender(args.out, stem, render)
+    if getattr(args, "note", None):
+        res = load_results(args.out, stem)
+        res["meta"]["note"] = Path(args.note).read_text()
+        write_results(args.out, stem, res, render)
+    else:
+        rerender(args.out, stem, render)
     return True
 
 

@@ -162,13 +162,6 @@ def main(argv=None) -> dict:
     ap.add_argument("--note", default=None, help="a markdown file appended below the tables (with --render: added to the saved results)")
     result_options(ap, "profile_step")
     args = ap.parse_args(argv)
-    if args.render and args.note:  # a finding written after the run: stored in the JSON, then rendered
-        from src.reporting import load_results, write_results
-
-        res = load_results(args.out, args.name)
-        res["meta"]["note"] = Path(args.note).read_text()
-        write_results(args.out, args.name, res, render)
-        return res
     if _common.rendered(args, args.name, render):
         return {}
     tree = ROOT

@@ -231,13 +231,6 @@ def main(argv=None) -> dict:
 
     from src.reporting import load_results, write_results
 
-    if args.render and args.note:  # a finding written after the run: stored in the JSON, then rendered
-        from src.reporting import load_results, write_results
-
-        res = load_results(args.out, args.name)
-        res["meta"]["note"] = Path(args.note).read_text()
-        write_results(args.out, args.name, res, render)
-        return res
     if _common.rendered(args, args.name, render):
         return {}
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
