@@ -22,7 +22,6 @@ vae/ssm        SSM update of the score estimator and one ELBO update; DEQ score 
 
 from __future__ import annotations
 
-import math
 import subprocess
 from pathlib import Path
 
@@ -122,16 +121,6 @@ def deq_iterations(module) -> float | None:
            if hasattr(m, "last_stats") and isinstance(m.last_stats, dict) and m.last_stats]
     its = [i for i in its if i is not None]
     return sum(its) / len(its) if its else None
-
-
-def median(xs):
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
-
-
-def geometric_mean(xs):
-    return math.exp(sum(math.log(x) for x in xs) / len(xs))
 
 
 def commit_of(rev: str) -> str:

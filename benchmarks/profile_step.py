@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -53,7 +54,7 @@ from _common import (
     trainer_free,
     training_step,
 )
-from _step_cases import CASES, build_case, commit_of, deq_iterations, median, snapshot
+from _step_cases import CASES, build_case, commit_of, deq_iterations, snapshot
 
 PHASES = [  # (label prefix, phase name), in table order
     ("deq.solve", "DEQ solver forward"),
@@ -108,7 +109,7 @@ def profile_case(case: str, warmup: int, timed: int, data_root: str | None, top:
             ops[ev.name][1] += 1
     total = sum(phases.values())
     top_ops = sorted(ops.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"facts": facts, "step_s_median": median(times) if times else None, "timed_steps": timed,
+    return {"facts": facts, "step_s_median": statistics.median(times) if times else None, "timed_steps": timed,
             "profiled_step_s": profiled_s, "profiled_cpu_ms": total,
             "phases_ms": {name: phases.get(name, 0.0) for name in PHASE_NAMES},
             "top_ops": [{"name": n, "self_ms": v[0], "calls": v[1]} for n, v in top_ops],
@@ -145,8 +146,7 @@ def render(res: dict) -> str:
         lines += [f"## {c}", "", f"{facts}.", "", "| operator | self ms | calls |", "|---|---:|---:|"]
         lines += [f"| `{o['name']}` | {o['self_ms']:.1f} | {o['calls']} |" for o in r["top_ops"]]
         lines.append("")
-    if meta.get("note"):
-        lines += [meta["note"].strip(), ""]
+    lines += _common.note_lines(meta)
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -120,7 +121,7 @@ def _families(cases) -> list[list[str]]:
 
 
 def measure(cases, before: str, after: str, data_root, warmup: int, repeats: int, steps: int) -> dict:
-    from _step_cases import median, snapshot
+    from _step_cases import snapshot
 
     results = {}
     with tempfile.TemporaryDirectory(prefix="deqsm_speed_") as tmp:
@@ -146,7 +147,7 @@ def measure(cases, before: str, after: str, data_root, warmup: int, repeats: int
                     workers[k].ask(cmd="drop", case=c)
                 for case in group:
                     results[case] = {"facts": facts[(case, "after")],
-                                     **{k: {"median_s": median(times[(case, k)]), "min_s": min(times[(case, k)]),
+                                     **{k: {"median_s": statistics.median(times[(case, k)]), "min_s": min(times[(case, k)]),
                                             "max_s": max(times[(case, k)]), "n": len(times[(case, k)]),
                                             "deq_iterations": iters[(case, k)]} for k in workers}}
                     r = results[case]
@@ -201,8 +202,9 @@ def render(res: dict) -> str:
         b = "–" if v["before"] is None else f"{v['before']:.2f}"
         lines.append(f"| {t['target']} | {b} | {v['after']:.2f} | {'yes' if t['met'] else '**no**'} |")
     lines.append("")
-    if meta.get("note"):
-        lines += [meta["note"].strip(), ""]
+    from _common import note_lines
+
+    lines += note_lines(meta)
     return "\n".join(lines)
 
 
