@@ -4,7 +4,7 @@
 
 :data:`MOVED_KEYS` lists keys that moved to a new home. A config naming one, on the command line or in a config
 file (an experiment, a run's saved config), is refused with one line naming the new key
-(:func:`moved_key_message`, :func:`refuse_moved_keys`): ``src.hydra_compat`` checks every composition, and
+(:func:`moved_key_message`, :func:`moved_override_message`, :func:`refuse_moved_keys`): ``src.hydra_compat`` checks every composition, and
 ``src.evaluate`` a run's saved config, so an old key never silently does nothing.
 """
 
@@ -60,6 +60,11 @@ def moved_key_message(key: str) -> str | None:
             moved = ", ".join(f"{o.removeprefix(old + '.')} -> {n}" for o, n in MOVED_KEYS.items() if o.startswith(old))
             return f"{key} is not a key: {old} was removed, its settings moved ({moved}); see {new} in the model's config"
     return None
+
+
+def moved_override_message(keys: Iterable[str]) -> str | None:
+    """The refusal of the first override key (as written: ``+``/``~`` prefixes ignored) that moved, or None."""
+    return next((m for m in map(moved_key_message, keys) if m is not None), None)
 
 
 def _leaf_keys(node: Any, prefix: str) -> Iterable[str]:

@@ -27,7 +27,7 @@ from src.checkpoints import (
     check_checkpoint_file,
     check_matches_model,
 )
-from src.configs import moved_key_message, refuse_moved_keys
+from src.configs import moved_override_message, refuse_moved_keys
 from src.metrics.presets import apply_eval_preset
 from src.runtime import print_metrics, set_float_environment, write_json_atomic
 
@@ -82,9 +82,9 @@ def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None,
     cfg.paths.output_dir = str(run_dir)
     refuse_moved_keys(cfg, f"run config {cfg_path} (of an older version: rename the key there)")
     if overrides:
-        for key in (o.split("=", 1)[0] for o in overrides):
-            if moved_key_message(key) is not None:
-                raise ValueError(moved_key_message(key))
+        message = moved_override_message(o.split("=", 1)[0] for o in overrides)
+        if message is not None:
+            raise ValueError(message)
         extra = OmegaConf.from_dotlist(overrides)
         for key in extra:
             if isinstance(cfg.get(key), DictConfig) and not isinstance(extra[key], DictConfig):

@@ -62,16 +62,15 @@ def _refuse_moved_keys_on_compose() -> None:
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.errors import ConfigCompositionException
 
-    from src.configs import moved_key_message, refuse_moved_keys
+    from src.configs import moved_override_message, refuse_moved_keys
 
     original = ConfigLoaderImpl._apply_overrides_to_config
 
     @functools.wraps(original)
     def apply_overrides(overrides, cfg):
-        for override in overrides:
-            message = moved_key_message(override.key_or_group)
-            if message is not None:
-                raise ConfigCompositionException(message)
+        message = moved_override_message(o.key_or_group for o in overrides)
+        if message is not None:
+            raise ConfigCompositionException(message)
         try:
             refuse_moved_keys(cfg, "a config file")
         except ValueError as exc:

@@ -265,9 +265,8 @@ class LogLikelihood(EvalMetric):
     name = "log_likelihood"
     stages = ("test",)
 
-    def __init__(self, **options):
+    def __init__(self, **_options):  # read by the family (metric_options), not by the metric
         super().__init__()
-        self.options = options
         self.parts = nn.ModuleDict()
 
     def update(self, module, x, stage):
