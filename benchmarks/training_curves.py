@@ -83,11 +83,24 @@ def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
 
 
-def machine_facts(threads: int) -> str:
+def machine_facts(threads: int, train_overrides: list[str], eval_overrides: list[str]) -> str:
+    """Machine, versions and the device of training and of evaluation (a checkpoint is tested where its run
+    trained unless ``--eval-extra`` names another accelerator)."""
     import torch
 
+    def device(overrides: list[str], default: str) -> str:
+        for o in reversed(overrides):
+            if o in ("trainer=gpu", "trainer.accelerator=gpu", "trainer.accelerator=cuda"):
+                return f"cuda ({torch.cuda.get_device_name(0)})" if torch.cuda.is_available() else "cuda"
+            if o in ("trainer=cpu", "trainer.accelerator=cpu"):
+                return "cpu"
+        return default
+
+    train = device(train_overrides, "cpu")
+    where = f"device {train}" if device(eval_overrides, train) == train else \
+        f"training on {train}, evaluation on {device(eval_overrides, train)}"
     return (f"{platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; torch "
-            f"{torch.__version__}; device cpu, {threads} torch thread(s) per process")
+            f"{torch.__version__}; {where}, {threads} torch thread(s) per process")
 
 
 def train_command(grid: dict, variant: str, args, run_dir: Path) -> list[str]:
@@ -326,7 +339,7 @@ def main() -> None:
 
     res = json.loads(res_path.read_text()) if res_path.is_file() else {"runs": {}}
     kept = {k: v for k, v in res.get("meta", {}).items() if k in ("real_fid", "real_fid_n")}  # not recomputed
-    res["meta"] = {"grid": args.grid, "experiment": grid["experiment"], "machine": machine_facts(args.threads),
+    res["meta"] = {"grid": args.grid, "experiment": grid["experiment"], "machine": machine_facts(args.threads, args.extra, args.eval_extra.split()),
                    "command": shown(["python", *sys.argv]), "eval_overrides": eval_overrides(args.grid, args),
                    **kept}
     names = args.variants.split(",") if args.variants else list(grid["variants"])

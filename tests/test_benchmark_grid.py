@@ -186,6 +186,14 @@ def test_separation_report_renders_its_markdown_from_the_json(tmp_path):
     assert (tmp_path / "separation.md").read_text() == (RESULTS / "separation.md").read_text()
 
 
+def test_training_curves_records_where_training_and_evaluation_ran():
+    facts = _benchmark("training_curves").machine_facts
+    assert "; device cpu, 1 torch thread(s)" in facts(1, [], [])
+    assert "; device cuda" in facts(1, ["data.batch_size=32", "trainer.accelerator=gpu"], [])
+    assert "; training on cpu, evaluation on cuda" in facts(2, [], ["trainer.accelerator=gpu"])
+    assert "; device cpu" in facts(1, ["trainer=gpu", "trainer.accelerator=cpu"], ["trainer.accelerator=cpu"])
+
+
 def test_training_curves_merge_joins_parts_of_one_protocol_and_refuses_others(tmp_path):
     """Variants run side by side as one process each come back as one result: every run and point kept, each
     part's command listed, sample grids renamed; parts of different protocols or a variant twice are refused."""
