@@ -405,40 +405,60 @@ def run_job(job, seed, args, runs: Path, env) -> dict:
     metrics = load_run(run_dir)["metrics"] if record["ok"] else {}
     metrics.pop("config", None)
     record["metrics"] = metrics
-    attach_clamp(record, run_dir)
+    attach_reevaluations(record, run_dir)
     return record
 
 
-def attach_clamp(record: dict, run_dir: Path) -> None:
-    """Add a run's clamp re-evaluation (``--eval-clamp``) to its record as ``clamp/<key>`` metrics."""
-    clamp = run_dir / CLAMP_EVAL
-    if record["ok"] and clamp.exists():
-        payload = json.loads(clamp.read_text())
-        record["clamp_eval_command"] = payload.pop("command", None)
-        record["metrics"].update({f"clamp/{k}": v for k, v in payload.items() if isinstance(v, (int, float))})
+# Re-evaluations of a finished run's tested checkpoint without retraining (``python -m src.evaluate`` with these
+# overrides), each kept in the run directory as its own JSON and attached to the run's record as
+# ``<name>/<key>`` metrics (+ ``<name>_eval_command``):
+# - clamp: NICE test data in the reference code's convention (``data.squash=clamp``), ``--eval-clamp``;
+# - final_refit: DKEF with the reference's final stage (α on every training point, λ refitted on validation:
+#   ``model.final_refit``, 1000 Adam steps at 1e-3 as the reference), ``--eval-final-refit``.
+REEVALUATIONS = {
+    "clamp": ("eval_squash_clamp.json", ["data.squash=clamp"]),
+    "final_refit": ("eval_final_refit.json", ["model.final_refit.lambda_steps=1000", "model.final_refit.lr=1e-3"]),
+}
 
 
-CLAMP_EVAL = "eval_squash_clamp.json"
+def attach_reevaluations(record: dict, run_dir: Path) -> None:
+    """Add a run's saved re-evaluations (:data:`REEVALUATIONS`) to its record as ``<name>/<key>`` metrics."""
+    for name, (filename, _) in REEVALUATIONS.items():
+        path = run_dir / filename
+        if record["ok"] and path.exists():
+            payload = json.loads(path.read_text())
+            record[f"{name}_eval_command"] = payload.pop("command", None)
+            record["metrics"].update({f"{name}/{k}": v for k, v in payload.items() if isinstance(v, (int, float))})
 
 
-def eval_clamp(run_dir: Path, root: str, env) -> str | None:
-    """Test metrics of a finished run's tested checkpoint on the reference code's data convention
-    (``data.squash=clamp``) without retraining: ``python -m src.evaluate``, kept as ``eval_squash_clamp.json``."""
-    if (run_dir / CLAMP_EVAL).exists() or not (run_dir / "metrics.json").exists():
+def tested_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint a finished run tested (its ``metrics.json``), found in the run directory's ``checkpoints/``
+    when the recorded path is of another machine or working directory (a run trained elsewhere and copied)."""
+    recorded = json.loads((run_dir / "metrics.json").read_text()).get("tested_checkpoint")
+    if not recorded:
+        return run_dir / "checkpoints" / "last.ckpt"
+    path = Path(recorded)
+    return path if path.exists() else run_dir / "checkpoints" / path.name
+
+
+def reevaluate(name: str, run_dir: Path, root: str, env) -> str | None:
+    """Test metrics of a finished run's tested checkpoint under :data:`REEVALUATIONS` ``[name]`` without
+    retraining: ``python -m src.evaluate``, kept in the run directory. Returns an error tail, or None."""
+    filename, extra = REEVALUATIONS[name]
+    if (run_dir / filename).exists() or not (run_dir / "metrics.json").exists():
         return None
-    ckpt = json.loads((run_dir / "metrics.json").read_text()).get("tested_checkpoint") or str(
-        run_dir / "checkpoints" / "last.ckpt")
+    ckpt = tested_checkpoint(run_dir)
     try:
-        ckpt = str(Path(ckpt).resolve().relative_to(ROOT))
+        ckpt = ckpt.resolve().relative_to(ROOT)
     except ValueError:
         pass
-    overrides = [f"ckpt_path={ckpt}", "data.squash=clamp", f"data.root={root}"]
+    overrides = [f"ckpt_path={ckpt}", *extra, f"data.root={root}"]
     code, tail = run_module("src.evaluate", overrides, env)
     if code != 0:
         return tail[-1500:]
     payload = json.loads((run_dir / "eval_metrics.json").read_text())
     payload["command"] = "python -m src.evaluate " + " ".join(overrides)
-    (run_dir / CLAMP_EVAL).write_text(json.dumps(payload, indent=2))
+    (run_dir / filename).write_text(json.dumps(payload, indent=2))
     return None
 
 
@@ -473,6 +493,10 @@ def main(argv=None):
     p.add_argument("--eval-clamp", action="store_true",
                    help="nice grid: also evaluate each finished run's tested checkpoint on data.squash=clamp test data "
                         "(python -m src.evaluate; no retraining)")
+    p.add_argument("--eval-final-refit", action="store_true",
+                   help="dkef grid: also evaluate each finished run's tested checkpoint with the reference's final "
+                        "stage (model.final_refit: α on every training point, λ refitted on validation), kept in "
+                        "each run directory as eval_final_refit.json")
     p.add_argument("--old", type=Path, action="append", default=[],
                    help="a committed result JSON whose rows of this grid's methods are tabulated beside the new "
                         "ones as '<method> — old (<--old-label>)' (repeatable)")
@@ -541,11 +565,13 @@ def main(argv=None):
     def work(i):
         job, seed = tasks[i]
         rec = run_job(job, seed, args, runs, env)
-        if args.eval_clamp and rec["ok"]:
-            err = eval_clamp(run_dir_of(runs, job, seed), args.root, env)
+        wanted = [name for name, on in (("clamp", args.eval_clamp), ("final_refit", args.eval_final_refit)) if on]
+        for name in wanted if rec["ok"] else []:
+            err = reevaluate(name, run_dir_of(runs, job, seed), args.root, env)
             if err:
-                print(f"{job['group']} {job['method']} seed={seed}: clamp evaluation FAILED\n{err}", flush=True)
-            attach_clamp(rec, run_dir_of(runs, job, seed))
+                print(f"{job['group']} {job['method']} seed={seed}: {name} evaluation FAILED\n{err}", flush=True)
+        if wanted and rec["ok"]:
+            attach_reevaluations(rec, run_dir_of(runs, job, seed))
         with lock:
             results[i] = rec
             state = "reused" if rec.get("reused") else ("ok" if rec["ok"] else "FAILED")

@@ -282,3 +282,47 @@ def test_common_train_job_reuses_a_finished_run_and_reruns_on_request(tmp_path, 
     code, tail = _common.run_module("json.tool", ["--no-such-flag"])  # a real process, its stderr's tail
     assert code == 2 and "--no-such-flag" in tail
     assert _common.script_command("x.py", ["--ckpt", "a b=c"]) == "python benchmarks/x.py --ckpt 'a b=c'"
+
+
+# ------------------------------------------------------------------ DKEF at the paper's protocol (issue 30)
+def test_paper_protocol_verdicts_follow_the_standard_error_of_the_difference():
+    pp = _benchmark("dkef_paper_protocol")
+    # means -30 vs -20, sds 1 (3 seeds each): s.e. of the difference 0.816, difference 10 -> agree
+    verdict, a, b = pp.comparison([-31, -30, -29], [-21, -20, -19], lower_is_better=True)
+    assert verdict.startswith("agree") and (a, b) == (-30, -20) and "2 s.e. = 1.63" in verdict
+    assert pp.comparison([-21, -20, -19], [-31, -30, -29], lower_is_better=True)[0].startswith("disagree")
+    assert pp.comparison([-13.0, -12.9], [-13.2, -13.1], lower_is_better=False)[0].startswith("agree")
+    # difference 1 against 2 s.e. = 2 * sqrt(2 * 9 / 3) = 4.9 -> undecided
+    assert pp.comparison([-33, -30, -27], [-32, -29, -26], lower_is_better=True)[0].startswith("undecided (difference")
+    assert pp.comparison([-30], [-20, -21], lower_is_better=True)[0] == "undecided (fewer than 2 seeds)"
+
+
+def test_paper_protocol_tail_summary_and_validation_curve(tmp_path):
+    pp = _benchmark("dkef_paper_protocol")
+    values = [float(v) for v in range(-49, 51)]  # 100 points, the largest 2 dropped by the trimmed mean
+    out = pp.tail_summary(values)
+    assert out == {"n": 100, "mean": 0.5, "median": 0.5, "trimmed_mean": sum(values[:-2]) / 98, "max": 50.0}
+    log = tmp_path / "csv" / "version_0" / "metrics.csv"
+    log.parent.mkdir(parents=True)
+    log.write_text("epoch,step,train/loss,val/sm_loss\n0,8,-3.0,\n0,8,,-10.5\n1,17,,-12.25\n1,20,-4.0,\n")
+    assert pp.validation_curve(tmp_path) == [(8, -10.5), (17, -12.25)]
+
+
+def test_paper_protocol_table_and_verdicts_from_known_runs():
+    pp = _benchmark("dkef_paper_protocol")
+
+    def run(method, seed, sm, ll, refit_sm, mb, s):
+        return {"group": "redwine", "method": method, "seed": seed, "ok": True, "val_curve": [(9, sm + 1)],
+                "metrics": {"test/sm_loss": sm, "test/log_likelihood": ll, "final_refit/test/sm_loss": refit_sm,
+                            "final_refit/test/log_likelihood": ll, "profile/saved_bytes_mean": mb * 1e6,
+                            "profile/time_per_step_s": s, "global_step": 2700}}
+
+    jobs = [run("DEQ-SM", i, -30 - i, -12.9, -31 - i, 60, 0.3) for i in range(3)]
+    jobs += [run("SM 16-layer", i, -25 + i, -13.3, -25 + i, 120, 0.6) for i in range(3)]
+    md = pp.render({"meta": {"command": "c", "machine": "m", "grid_commands": ["g"]}, "jobs": jobs})
+    assert "| redwine | DEQ-SM | 3 | 2700 ± 0 | -31.00 ± 1.00 | -12.90 ± 0.00 | -32.00 ± 1.00 |" in md
+    assert "| 60.0 ± 0.0 | 0.300 ± 0.000 | -44.5 / -12.2 |" in md
+    assert '"DEQ-SM beats SM 16-layer on test SM loss" (as trained): agree (difference 7.00' in md
+    assert '"DEQ-SM needs less saved bytes per step than SM 16-layer": agree; 60 MB vs 120 MB (ratio 0.50)' in md
+    assert "SM 3-layer: undecided — SM 3-layer not run at this protocol" in md
+    assert "redwine DEQ-SM SM: -31.00 ± 1.00 vs paper -44.5 ± 4.1 — 13.5 seed sds away (far" in md

@@ -99,3 +99,36 @@ def test_unfitted_alpha_is_a_clear_error():
     model = DKEF(3, depth=1, n_inducing=4)
     with pytest.raises(RuntimeError, match="fit_alpha"):
         model.log_density(torch.randn(2, 3))
+
+
+def test_exact_sm_of_alpha_is_the_exact_sm_loss(model):
+    """The constant of the quadratic included: J(α) from G, b and the q0 term equals the brute-force loss."""
+    x = torch.randn(9, 4, dtype=torch.float64)
+    g, b = model.alpha_system_on(x, "exact", chunk=4)  # chunked means == one batch's means
+    for seed in range(2):
+        a = torch.randn(7, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(model.exact_sm_of_alpha(a, g, b, x), brute_sm(model, a, x), rtol=1e-9, atol=1e-10)
+
+
+def test_refit_lambda_finds_the_validation_minimum_and_stores_alpha():
+    """The reference's final stage: α from every fit point, log10 λ at the minimum of the validation exact SM
+    loss (checked against a brute-force grid of that loss), the new λ and α stored in the model."""
+    torch.manual_seed(1)
+    model = DKEF(3, depth=2, n_inducing=6, feature_dim=4, hidden=5).double()
+    fit, val = torch.randn(40, 3, dtype=torch.float64), 1.3 * torch.randn(30, 3, dtype=torch.float64)
+    out = model.refit_lambda(fit, val, steps=3000, lr=0.02)
+    g_fit, b_fit, n = model.alpha_system(fit, "exact")
+
+    def brute_val(log_lam: float) -> float:
+        alpha = -torch.linalg.solve(g_fit / n + 10**log_lam * torch.eye(6, dtype=torch.float64), b_fit / n)
+        return float(brute_sm(model, alpha.detach(), val).detach())
+
+    grid = torch.linspace(-6, 3, 361).tolist()
+    best = min(grid, key=brute_val)
+    assert abs(out["log10_lambda"] - best) < 0.05, (out, best)
+    assert out["val_sm_loss"] <= out["val_sm_loss_before"] + 1e-12
+    assert abs(out["val_sm_loss"] - brute_val(out["log10_lambda"])) < 1e-8
+    assert out["log10_lambda_trained"] == -2.0
+    assert model.log_lambda.item() == pytest.approx(out["log10_lambda"], abs=1e-6)
+    torch.testing.assert_close(model.alpha, model.solve_alpha(g_fit / n, b_fit / n).detach(), rtol=1e-6, atol=1e-9)
+    assert bool(model.alpha_fitted)

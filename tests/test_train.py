@@ -6,7 +6,7 @@ import json
 import math
 
 import pytest
-from hydra.errors import ConfigCompositionException
+from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
@@ -137,3 +137,25 @@ def test_flush_denormal_setting_reaches_torch(tmp_path, flush):
         assert (tiny.item() == 0.0) is flush
     finally:
         torch.set_flush_denormal(False)
+
+
+def test_dkef_final_refit_runs_in_the_test_and_reports_its_lambda(tmp_path):
+    """model.final_refit (the reference's final stage) from the command line: the test refits λ on validation
+    (reported, and the validation loss does not rise) and then tests with that α."""
+    cfg = compose_train([*FAST, "model=dkef", "loss=sm", "deq=false", "trainer.fast_dev_run=true",
+                         "model.final_refit={lambda_steps:50,lr:0.05}"], tmp_path)
+    train(cfg)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["test/final_refit/log10_lambda_trained"] != saved["test/final_refit/log10_lambda"]
+    assert saved["test/final_refit/val_sm_loss"] <= saved["test/final_refit/val_sm_loss_before"]
+    assert math.isfinite(saved["test/sm_loss"])
+
+
+@pytest.mark.parametrize("spec, needle", [("{lambda_steps:10}", "missing: ['lr']"),
+                                          ("{lambda_steps:10,lr:0.1,alpha:1}", "unknown: ['alpha']"),
+                                          ("{lambda_steps:-1,lr:0.1}", "lambda_steps >= 0")])
+def test_dkef_bad_final_refit_is_a_clear_error(tmp_path, spec, needle):
+    cfg = compose_train([*FAST, "model=dkef", f"model.final_refit={spec}"], tmp_path)
+    with pytest.raises((ValueError, InstantiationException), match="model.final_refit") as err:
+        instantiate(cfg.model)
+    assert needle in str(err.value)

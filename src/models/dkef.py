@@ -228,8 +228,9 @@ class DKEF(nn.Module):
         self.alpha.copy_(alpha.detach())
         self.alpha_fitted.fill_(True)
 
-    def fit_alpha_on(self, data: torch.Tensor, mode: str = "exact", chunk: int = 100, **kw) -> torch.Tensor:
-        """Fit and store α on many points, accumulating G and b in chunks (evaluation, no parameter graph)."""
+    def alpha_system_on(self, data: torch.Tensor, mode: str = "exact", chunk: int = 100,
+                        **kw) -> tuple[torch.Tensor, torch.Tensor]:
+        """Means of G and b over many points, accumulated in chunks (evaluation: no parameter graph kept)."""
         g_sum = b_sum = None
         count = 0
         with torch.enable_grad():
@@ -239,10 +240,58 @@ class DKEF(nn.Module):
                 g_sum = g if g_sum is None else g_sum + g
                 b_sum = b if b_sum is None else b_sum + b
                 count += n
+        return g_sum / count, b_sum / count
+
+    def fit_alpha_on(self, data: torch.Tensor, mode: str = "exact", chunk: int = 100, **kw) -> torch.Tensor:
+        """Fit and store α on many points, accumulating G and b in chunks (evaluation, no parameter graph)."""
+        g_mean, b_mean = self.alpha_system_on(data, mode, chunk, **kw)
         with torch.no_grad():
-            alpha = self.solve_alpha(g_sum / count, b_sum / count)
+            alpha = self.solve_alpha(g_mean, b_mean)
         self.set_alpha(alpha)
         return alpha
+
+    def exact_sm_of_alpha(self, alpha: torch.Tensor, g_mean: torch.Tensor, b_mean: torch.Tensor,
+                          x: torch.Tensor) -> torch.Tensor:
+        """Exact SM loss (eq. 1) of the points ``x`` whose exact-mode means are ``g_mean``, ``b_mean``, for any α:
+        J(α) = ½ αᵀGα + αᵀb + E[½‖∇log q0‖² + Δlog q0] (the loss is quadratic in α; module docstring)."""
+        q0_term = x.pow(2).sum(-1).mean() / (2 * self.q0_std**4) - self.input_dim / self.q0_std**2
+        return 0.5 * alpha @ g_mean @ alpha + alpha @ b_mean + q0_term
+
+    def refit_lambda(self, fit: torch.Tensor, val: torch.Tensor, steps: int, lr: float,
+                     chunk: int = 100) -> dict[str, float]:
+        """The DKEF reference's final stage (``finalize``): α on every point of ``fit`` (exact fit), then only
+        log10 λ trained by Adam (``steps`` steps at ``lr``) on the exact SM loss of ``val``, the feature
+        networks fixed; stores the new λ and α. Returns λ and the validation SM loss before and after."""
+        g_fit, b_fit = (t.double() for t in self.alpha_system_on(fit, "exact", chunk))
+        g_val, b_val = (t.double() for t in self.alpha_system_on(val, "exact", chunk))
+        x_val = val.double()
+        eye = torch.eye(g_fit.shape[0], dtype=torch.float64, device=g_fit.device)
+
+        def val_loss(log_lambda: torch.Tensor) -> torch.Tensor:
+            alpha = -torch.linalg.solve(g_fit + 10**log_lambda * eye, b_fit)
+            return self.exact_sm_of_alpha(alpha, g_val, b_val, x_val)
+
+        start = float(self.log_lambda.detach())
+        log_lambda = torch.tensor(start, dtype=torch.float64, device=g_fit.device, requires_grad=True)
+        with torch.enable_grad():
+            before = float(val_loss(log_lambda).detach())
+            opt = torch.optim.Adam([log_lambda], lr=lr)
+            for _ in range(int(steps)):
+                opt.zero_grad()
+                loss = val_loss(log_lambda)
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"non-finite validation SM loss at log10 λ = {log_lambda.item():.4g} "
+                                             "in the λ refit; lower model.final_refit.lr or its steps")
+                loss.backward()
+                opt.step()
+        final = log_lambda.item()
+        with torch.no_grad():
+            self.log_lambda.fill_(final)
+            after = float(val_loss(log_lambda))
+            alpha = self.solve_alpha(g_fit.to(self.alpha.dtype), b_fit.to(self.alpha.dtype))
+        self.set_alpha(alpha)
+        return {"log10_lambda_trained": start, "log10_lambda": final,
+                "val_sm_loss_before": before, "val_sm_loss": after}
 
     # ---------------------------------------------------------------- normaliser
     @torch.no_grad()
