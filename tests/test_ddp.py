@@ -92,7 +92,7 @@ VAE = ["experiment=vae_mnist", "callbacks=minimal", "data.limit=256", "data.batc
        "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "model.metrics.vae.val_points=8",
        "model.metrics.log_likelihood.ais.n_steps=5", "model.metrics.log_likelihood.ais.n_chains=2",
        "model.metrics.log_likelihood.ais.leapfrog=2", "model.metrics.log_likelihood.test_points=6",
-       "model.metrics.fid.n_samples=8", "trainer.limit_test_batches=1",
+       "model.metrics.fid.n_samples=8", "model.metrics.fid.bootstrap=4", "trainer.limit_test_batches=1",
        "model.n_samples_grid=0"]
 
 
@@ -109,7 +109,8 @@ def test_vae_two_optimisers_under_ddp(tmp_path, shared_data):
     assert any(n.startswith("encoder.") for n in names[1]) and any(n.startswith("decoder.") for n in names[1])
     assert metrics["global_step"] == 4
     assert metrics["test/ais_points"] == 6
-    for key in ("val/recon_error", "test/recon_error", "test/score_ssm_loss", "test/log_likelihood", "test/fid"):
+    for key in ("val/recon_error", "test/recon_error", "test/score_ssm_loss", "test/log_likelihood", "test/fid",
+                "test/fid_bootstrap_sd"):  # the bootstrap over both ranks' gathered features
         assert torch.isfinite(torch.tensor(metrics[key])), key
     assert 200 < metrics["test/recon_error"] < 1000  # binarised 28x28 images, a nearly untrained decoder
 

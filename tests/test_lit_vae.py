@@ -19,7 +19,7 @@ TINY = ["experiment=vae_mnist", "logger=none", "callbacks=minimal", "data.limit=
         "data.eval_batch_size=32", "model.latent_dim=4", "model.hidden=16", "model.channels=8",
         "model.metrics.log_likelihood.ais.n_steps=5", "model.metrics.log_likelihood.ais.n_chains=2",
         "model.metrics.log_likelihood.ais.leapfrog=2", "model.metrics.log_likelihood.test_points=8",
-        "model.metrics.vae.val_points=16", "model.metrics.fid.n_samples=16",
+        "model.metrics.vae.val_points=16", "model.metrics.fid.n_samples=16", "model.metrics.fid.bootstrap=10",
         "trainer.enable_progress_bar=false"]
 
 
@@ -37,6 +37,7 @@ def test_fast_dev_run_every_variant(tmp_path, shared_data, arch, deq, depth):
              "trainer.fast_dev_run=true", "model.enc_channels=4"], tmp_path)
     for key in ("test/score_ssm_loss", "test/recon_error", "test/log_likelihood", "test/fid"):
         assert key in m and torch.isfinite(torch.tensor(m[key])), (key, m)
+    assert 0 < m["test/fid_bootstrap_sd"] < float("inf")  # the FID's sampling error (tests/test_fid.py: its truth)
     # binarised 28x28 images under a near-uniform decoder: reconstruction ≈ 784 log 2 ≈ 543 nats
     assert 200 < m["test/recon_error"] < 1000
     assert m["test/log_likelihood"] < -200  # a log-probability of 784 binary pixels, far from trained

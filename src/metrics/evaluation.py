@@ -395,12 +395,15 @@ class FID(EvalMetric):
     stages = ("test",)
 
     def __init__(self, kind: str = "mnist", n_samples: int = 1000, weights: str | None = None,
-                 sha256: str | None = None, batch_size: int = 250, seed: int = 0):
+                 sha256: str | None = None, batch_size: int = 250, seed: int = 0, bootstrap: int = 0):
         super().__init__()
         self.kind, self.n_samples, self.weights, self.sha256 = kind, int(n_samples), weights, sha256
-        self.batch_size, self.seed = int(batch_size), int(seed)
+        self.batch_size, self.seed, self.bootstrap = int(batch_size), int(seed), int(bootstrap)
         if self.n_samples < 2:
             raise ValueError(f"model.metrics.fid.n_samples={n_samples}: FID needs at least 2 samples")
+        if self.bootstrap == 1 or self.bootstrap < 0:
+            raise ValueError(f"model.metrics.fid.bootstrap={bootstrap}: 0 (off) or the number of bootstrap "
+                             "replicates (>= 2; e.g. 100) of the FID's sampling error")
         self._fid = None
 
     def setup(self, module, datamodule):
@@ -428,21 +431,48 @@ class FID(EvalMetric):
                              "images: lower it")
         real = self._dm.to_pixels(real[list(share)])
         n_fake = len(share)
+        features = {True: [], False: []}  # kept only for the bootstrap
+
+        def add(images: torch.Tensor, is_real: bool) -> None:
+            images = images.to(module.device).float()
+            fid.update(images, real=is_real)
+            if self.bootstrap:
+                with torch.no_grad():
+                    features[is_real].append(fid.inception(images).double())
+
         with progress.phase(module, f"FID ({self.kind} features): real + generated images",
                             real.shape[0] + n_fake) as advance:
             for start in range(0, max(real.shape[0], n_fake), self.batch_size):
                 if start < real.shape[0]:
                     batch = real[start:start + self.batch_size]
-                    fid.update(batch.to(module.device).float(), real=True)
+                    add(batch, True)
                     advance(batch.shape[0])
                 if start < n_fake:
                     k = min(self.batch_size, n_fake - start)
                     fake = module.sample_pixels(k, seed=self.seed + 104729 * rank + start)
                     if fake is None:
                         raise ValueError(f"model.metrics.fid: {type(module).__name__} does not generate samples")
-                    fid.update(fake.to(module.device).float(), real=False)
+                    add(fake, False)
                     advance(k)
-        return {"test/fid": float(fid.compute()), "test/fid_n_samples": float(self.n_samples)}
+        out = {"test/fid": float(fid.compute()), "test/fid_n_samples": float(self.n_samples)}
+        if self.bootstrap:
+            from src.metrics.fid import bootstrap_fid_sd
+
+            real_f, fake_f = (_gathered_rows(module, torch.cat(features[flag])) for flag in (True, False))
+            g = torch.Generator().manual_seed(self.seed)  # the same replicates on every rank
+            out["test/fid_bootstrap_sd"] = bootstrap_fid_sd(real_f.cpu(), fake_f.cpu(), self.bootstrap, g)
+        return out
+
+
+def _gathered_rows(module, x: torch.Tensor) -> torch.Tensor:
+    """The rows [n_rank, F] of every DDP rank, concatenated in rank order (shares may differ in length by one)."""
+    trainer = module.trainer
+    if max(1, trainer.world_size) == 1:
+        return x
+    counts = module.all_gather(torch.tensor([x.shape[0]], device=x.device)).flatten().tolist()
+    padded = torch.cat([x, x.new_zeros(max(counts) - x.shape[0], x.shape[1])])
+    rows = module.all_gather(padded)  # [world, max_count, F]
+    return torch.cat([rows[r, :c] for r, c in enumerate(counts)])
 
 
 METRICS: dict[str, type[EvalMetric]] = {

@@ -30,6 +30,10 @@ the square roots of the eigenvalues of Σ_r Σ_g, and returns the result in the 
 here). The metric holds the extractor as a submodule (``metric.inception``): moving the metric moves it,
 and both extractors here stay in eval mode whatever ``train()`` is called with.
 
+The FID's own sampling error: :func:`fid_of_features` (the same formula on two feature sets held in memory)
+and :func:`bootstrap_fid_sd` (its standard deviation over resamplings of both sets with replacement), which the
+FID metric reports as ``test/fid_bootstrap_sd`` when ``model.metrics.fid.bootstrap`` > 0.
+
 For LightningModules and benchmarks: :func:`fid_between` (two image tensors → FID, in batches). Keep the
 extractor or metric out of a module's registered attributes (or in a plain dict/list) if it must not land
 in checkpoints: a registered metric's submodule weights are part of ``state_dict``.
@@ -42,7 +46,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torchmetrics.image.fid import FrechetInceptionDistance
+from torchmetrics.image.fid import FrechetInceptionDistance, _compute_fid
 
 from src.metrics.mnist_classifier import load_mnist_feature_extractor, sha256_file
 
@@ -185,3 +189,25 @@ def fid_between(
         for i in range(0, len(images), batch_size):
             metric.update(images[i : i + batch_size].to(device), real=is_real)
     return float(metric.compute())
+
+
+def fid_of_features(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    """FID of two feature sets [N, F] in float64: torchmetrics' distance (``_compute_fid``, the eigenvalue form of
+    tr (Σ_r Σ_g)^½) of their means and unbiased covariances, as :func:`build_fid` computes it from its sums."""
+    real, fake = real.double(), fake.double()
+    return _compute_fid(fake.mean(0), torch.cov(fake.T), real.mean(0), torch.cov(real.T))
+
+
+def bootstrap_fid_sd(real: torch.Tensor, fake: torch.Tensor, n_boot: int,
+                     generator: torch.Generator | None = None) -> float:
+    """Standard deviation of the FID over ``n_boot`` bootstrap replicates (each set resampled with replacement,
+    at its own size): the sampling error of one FID of these sample sizes, to set beside a seed spread.
+    (The replicates' mean is biased upwards by the duplicated rows; only their spread is used.)"""
+    if n_boot < 2:
+        raise ValueError(f"a bootstrap needs at least 2 replicates, got {n_boot}")
+    values = []
+    for _ in range(int(n_boot)):
+        i = torch.randint(0, real.shape[0], (real.shape[0],), generator=generator)
+        j = torch.randint(0, fake.shape[0], (fake.shape[0],), generator=generator)
+        values.append(float(fid_of_features(real[i], fake[j])))
+    return float(torch.tensor(values, dtype=torch.float64).std())
