@@ -165,7 +165,7 @@ def _benchmark(name: str):
                                         ("dkef_memory", "dkef_memory"), ("objectives_bench", "objectives"),
                                         ("vae_estimator_depth", "vae_estimator_depth"),
                                         ("vae_estimator_variance", "vae_estimator_variance"),
-                                        ("ais_bias", "ais_bias")])
+                                        ("ais_bias", "ais_bias"), ("dkef_paper_protocol", "dkef_paper_protocol")])
 def test_other_committed_benchmark_tables_rebuild_exactly_from_their_json(name, stem):
     """Every committed benchmark table is a pure function of its JSON (no hand edits, nothing lost)."""
     if not (RESULTS / f"{stem}.json").exists():
