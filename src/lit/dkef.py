@@ -6,7 +6,8 @@ computed on X_v with that α, so gradients flow through α into every parameter.
 α is refitted on ``alpha_refit_points`` training points (exact fit) and stored in the model. With
 ``final_refit`` set, the test instead follows the reference's final stage (``finalize``): α on every training
 point, then log10 λ alone trained by Adam on the validation set's exact SM loss (feature networks fixed), as the
-paper's DKEF numbers were produced (``experiment=dkef_uci`` / ``dkef_gaussian`` switch it on).
+reference code does before it reports its test figures (off by default; ``model.final_refit={lambda_steps:1000,
+lr:1e-3}`` switches it on, ``run_grid.py --eval-final-refit`` applies it to finished runs).
 Test log-likelihood (``model.metrics.log_likelihood``): importance sampling of log Z with ``samples`` draws
 from the proposal N(0, ``proposal_std``² I), as the reference code.
 """
