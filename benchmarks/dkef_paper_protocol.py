@@ -26,11 +26,12 @@ import argparse
 import csv
 import json
 import math
+import statistics
 from pathlib import Path
 
 import _common
 from _common import ROOT, machine_facts, note_lines, result_options, script_command
-from run_grid import PAPER, portable, tested_checkpoint
+from run_grid import PAPER, fmt, portable, tested_checkpoint
 
 from src.reporting import figure, group_rows, markdown_table, summarise, write_results
 
@@ -70,21 +71,13 @@ def per_point_test_sm(run_dir: Path, root: str, final_refit: bool) -> list[float
     """Exact SM loss (eq. 1) of every test point at the tested checkpoint, with α as the run's test fitted it
     (``final_refit``: after the reference's final stage). Its mean is the run's test/sm_loss."""
     import torch
-    from hydra.utils import instantiate
 
-    from src.checkpoints import load_checked
-    from src.evaluate import run_of_checkpoint
+    from src.sample import load_module
 
-    ckpt = tested_checkpoint(run_dir)
     overrides = [f"data.root={root}"]
     if final_refit:
         overrides += ["model.final_refit.lambda_steps=1000", "model.final_refit.lr=1e-3"]
-    _, cfg, _ = run_of_checkpoint(ckpt, overrides)
-    datamodule = instantiate(cfg.data)
-    datamodule.setup("test")
-    module = instantiate(cfg.model)
-    module.load_state_dict(load_checked(ckpt)["state_dict"])
-    module.attach_datamodule(datamodule)
+    module = load_module(tested_checkpoint(run_dir), overrides)[0]
     if final_refit:
         module.final_refit_alpha_lambda()
     else:
@@ -103,9 +96,7 @@ def per_point_test_sm(run_dir: Path, root: str, final_refit: bool) -> list[float
 def tail_summary(values: list[float]) -> dict:
     ordered = sorted(values)
     keep = ordered[: len(ordered) - max(1, round(TRIM_SHARE * len(ordered)))]
-    mid = len(ordered) // 2
-    median = ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-    return {"n": len(values), "mean": sum(values) / len(values), "median": median,
+    return {"n": len(values), "mean": sum(values) / len(values), "median": statistics.median(values),
             "trimmed_mean": sum(keep) / len(keep), "max": ordered[-1]}
 
 
@@ -146,15 +137,13 @@ def values(rows, key) -> list[float]:
     return [r["metrics"].get(key) for r in rows]
 
 
-def cell(vals, digits=2, scale=1.0) -> str:
-    m, s, n = summarise(vals)
-    if n == 0:
-        return "—"
-    return f"{m / scale:.{digits}f}" + (f" ± {s / scale:.{digits}f}" if n > 1 else "")
+def cell(rows, key: str, digits: int = 2) -> str:
+    """The ``mean ± sd`` over seeds of one metric (:func:`run_grid.fmt`: bytes in MB, ``—`` for none)."""
+    return fmt(values(rows, key), digits, key)
 
 
 def tail_cell(rows, which: str, stat: str) -> str:
-    return cell([r.get("test_sm_per_point", {}).get(which, {}).get(stat) for r in rows])
+    return fmt([r.get("test_sm_per_point", {}).get(which, {}).get(stat) for r in rows], 2, stat)
 
 
 def comparison(a: list, b: list, lower_is_better: bool) -> tuple[str, float, float]:
@@ -253,12 +242,11 @@ def render(res: dict) -> str:
             paper = PAPER.get((group, base_method(method)))
             ptxt = " / ".join(f"{v:g}" for v in (paper[:3] if has_fisher else paper[:2]) if v is not None) \
                 if paper else "—"
-            row = [group, method, str(len(rs)), cell(values(rs, "global_step"), 0),
-                   cell(values(rs, "test/sm_loss")), cell(values(rs, "test/log_likelihood")),
-                   cell(values(rs, "final_refit/test/sm_loss")), cell(values(rs, "final_refit/test/log_likelihood"))]
-            row += [cell(values(rs, "test/fisher_divergence"))] if has_fisher else []
-            row += [cell(values(rs, "profile/saved_bytes_mean"), 1, 1e6),
-                    cell(values(rs, "profile/time_per_step_s"), 3), ptxt]
+            row = [group, method, str(len(rs)), cell(rs, "global_step", 0), cell(rs, "test/sm_loss"),
+                   cell(rs, "test/log_likelihood"), cell(rs, "final_refit/test/sm_loss"),
+                   cell(rs, "final_refit/test/log_likelihood")]
+            row += [cell(rs, "test/fisher_divergence")] if has_fisher else []
+            row += [cell(rs, "profile/saved_bytes_mean", 1), cell(rs, "profile/time_per_step_s", 3), ptxt]
             body.append(row)
     lines += ["## Results", "", *markdown_table(head, body), ""]
     tail_rows = []

@@ -405,6 +405,11 @@ def run_job(job, seed, args, runs: Path, env) -> dict:
     metrics = load_run(run_dir)["metrics"] if record["ok"] else {}
     metrics.pop("config", None)
     record["metrics"] = metrics
+    wanted = [name for name, on in (("clamp", args.eval_clamp), ("final_refit", args.eval_final_refit)) if on]
+    for name in wanted if record["ok"] else []:
+        err = reevaluate(name, run_dir, args.root, env)
+        if err:
+            print(f"{job['group']} {job['method']} seed={seed}: {name} evaluation FAILED\n{err}", flush=True)
     attach_reevaluations(record, run_dir)
     return record
 
@@ -565,13 +570,6 @@ def main(argv=None):
     def work(i):
         job, seed = tasks[i]
         rec = run_job(job, seed, args, runs, env)
-        wanted = [name for name, on in (("clamp", args.eval_clamp), ("final_refit", args.eval_final_refit)) if on]
-        for name in wanted if rec["ok"] else []:
-            err = reevaluate(name, run_dir_of(runs, job, seed), args.root, env)
-            if err:
-                print(f"{job['group']} {job['method']} seed={seed}: {name} evaluation FAILED\n{err}", flush=True)
-        if wanted and rec["ok"]:
-            attach_reevaluations(rec, run_dir_of(runs, job, seed))
         with lock:
             results[i] = rec
             state = "reused" if rec.get("reused") else ("ok" if rec["ok"] else "FAILED")

@@ -212,8 +212,10 @@ class DKEF(nn.Module):
         g = d1.T @ d1 * weight
         return g, b, n
 
-    def solve_alpha(self, g_mean: torch.Tensor, b_mean: torch.Tensor) -> torch.Tensor:
-        lam = 10**self.log_lambda
+    def solve_alpha(self, g_mean: torch.Tensor, b_mean: torch.Tensor,
+                    log_lambda: torch.Tensor | None = None) -> torch.Tensor:
+        """α = −(G + λI)⁻¹ b with λ = 10^{log_lambda} (the model's trained ``log_lambda`` unless one is given)."""
+        lam = 10 ** (self.log_lambda if log_lambda is None else log_lambda)
         eye = torch.eye(g_mean.shape[0], dtype=g_mean.dtype, device=g_mean.device)
         return -torch.linalg.solve(g_mean + lam * eye, b_mean)
 
@@ -265,11 +267,9 @@ class DKEF(nn.Module):
         g_fit, b_fit = (t.double() for t in self.alpha_system_on(fit, "exact", chunk))
         g_val, b_val = (t.double() for t in self.alpha_system_on(val, "exact", chunk))
         x_val = val.double()
-        eye = torch.eye(g_fit.shape[0], dtype=torch.float64, device=g_fit.device)
 
         def val_loss(log_lambda: torch.Tensor) -> torch.Tensor:
-            alpha = -torch.linalg.solve(g_fit + 10**log_lambda * eye, b_fit)
-            return self.exact_sm_of_alpha(alpha, g_val, b_val, x_val)
+            return self.exact_sm_of_alpha(self.solve_alpha(g_fit, b_fit, log_lambda), g_val, b_val, x_val)
 
         start = float(self.log_lambda.detach())
         log_lambda = torch.tensor(start, dtype=torch.float64, device=g_fit.device, requires_grad=True)
