@@ -33,7 +33,7 @@ import _common
 from _common import ROOT, machine_facts, note_lines, result_options, script_command
 from run_grid import PAPER, fmt, portable, tested_checkpoint
 
-from src.reporting import figure, group_rows, markdown_table, summarise, write_results
+from src.reporting import figure, group_rows, markdown_table, seed_verdict, summarise, write_results
 
 STEM = "dkef_paper_protocol"
 METHOD_ORDER = ["DEQ-SM", "DEQ-SSM-VR", "SM 3-layer", "SM 8-layer", "SM 16-layer"]
@@ -146,20 +146,6 @@ def tail_cell(rows, which: str, stat: str) -> str:
     return fmt([r.get("test_sm_per_point", {}).get(which, {}).get(stat) for r in rows], 2, stat)
 
 
-def comparison(a: list, b: list, lower_is_better: bool) -> tuple[str, float, float]:
-    """Verdict of 'a is better than b' from two sets of seeds: agree / disagree when the means differ by more
-    than twice the standard error of their difference (Welch), undecided otherwise or with < 2 seeds each."""
-    ma, sa, na = summarise(a)
-    mb, sb, nb = summarise(b)
-    if na < 2 or nb < 2:
-        return "undecided (fewer than 2 seeds)", ma, mb
-    se = math.sqrt(sa**2 / na + sb**2 / nb)
-    diff = (mb - ma) if lower_is_better else (ma - mb)  # > 0: a is better
-    if se > 0 and abs(diff) <= 2 * se:
-        return f"undecided (difference {abs(diff):.2f} ≤ 2 s.e. = {2 * se:.2f})", ma, mb
-    return ("agree" if diff > 0 else "disagree") + f" (difference {abs(diff):.2f}, 2 s.e. = {2 * se:.2f})", ma, mb
-
-
 def verdict_lines(jobs) -> list[str]:
     lines = []
     for group, rows in group_rows(jobs, lambda r: r["group"]).items():
@@ -172,9 +158,9 @@ def verdict_lines(jobs) -> list[str]:
                 lines.append(f"- {group}, DEQ-SM vs {other}: undecided — {other} not run at this protocol")
                 continue
             for prefix, what in (("", "as trained"), ("final_refit/", "after the final λ refit")):
-                sm = comparison(values(deq, f"{prefix}test/sm_loss"), values(by[other], f"{prefix}test/sm_loss"),
+                sm = seed_verdict(values(deq, f"{prefix}test/sm_loss"), values(by[other], f"{prefix}test/sm_loss"),
                                 lower_is_better=True)
-                ll = comparison(values(deq, f"{prefix}test/log_likelihood"),
+                ll = seed_verdict(values(deq, f"{prefix}test/log_likelihood"),
                                 values(by[other], f"{prefix}test/log_likelihood"), lower_is_better=False)
                 if math.isnan(sm[1]) or math.isnan(sm[2]):
                     continue
@@ -184,7 +170,7 @@ def verdict_lines(jobs) -> list[str]:
                              f"{ll[1]:.2f} vs {ll[2]:.2f}")
             for key, what in (("profile/saved_bytes_mean", "saved bytes per step"),
                               ("profile/time_per_step_s", "time per step")):
-                v = comparison(values(deq, key), values(by[other], key), lower_is_better=True)
+                v = seed_verdict(values(deq, key), values(by[other], key), lower_is_better=True)
                 scale = 1e6 if "bytes" in key else 1.0
                 unit = " MB" if "bytes" in key else " s"
                 lines.append(f"- {group}, \"DEQ-SM needs less {what} than {other}\": {v[0].split(' (')[0]}; "

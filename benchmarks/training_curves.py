@@ -23,7 +23,11 @@ last checkpoint's sample grid per variant, ``<name>_<variant>_samples.png``, in 
 
 Side by side: with two cores, one process per variant (each ``--variants V --name <part>``, the same
 ``--runs``, ``--steps``, ``--every`` and eval options) finishes sooner than one process training them in turn;
-``--merge`` then joins the parts into ``<name>`` (refused if their protocols differ).
+``--merge`` then joins the parts into ``<name>`` (refused if their protocols or seeds differ).
+
+Seeds: ``--seed S`` trains every variant with ``seed=S`` in its own run directory (``<variant>_seed<S>`` for
+S ≥ 1); one result per seed (``--name <grid>_seed<S>``), then ``benchmarks/generative_seeds.py`` puts the seeds
+side by side (mean ± sd, error bands, verdicts).
 """
 
 from __future__ import annotations
@@ -81,6 +85,12 @@ SUMMARY = [("n_params", "params", "{:,.0f}"), ("profile/time_per_step_s", "s / s
 
 def slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
+
+
+def run_dir_name(variant: str, seed: int) -> str:
+    """A variant's run directory under ``--runs/<grid>``: its slug, with ``_seed<s>`` for a seed other than 0 (so
+    the seeds of one variant never share, and never reuse, one run)."""
+    return slug(variant) + (f"_seed{seed}" if seed else "")
 
 
 def machine_facts(threads: int, train_overrides: list[str], eval_overrides: list[str]) -> str:
@@ -198,7 +208,7 @@ def merge(paths: list[Path], out: Path, name: str) -> dict:
     res = {"meta": {k: v for k, v in first["meta"].items() if k != "command"}, "runs": {}}
     res["meta"]["commands"] = []
     for path, part in parts:
-        for key in ("grid", "experiment", "eval_overrides", "real_fid_n", "machine"):
+        for key in ("grid", "experiment", "seed", "eval_overrides", "real_fid_n", "machine"):
             if part["meta"].get(key) != first["meta"].get(key):
                 raise SystemExit(f"{path}: {key} {part['meta'].get(key)!r} differs from {first_path}'s "
                                  f"{first['meta'].get(key)!r}; only results of one protocol can be merged")
@@ -340,13 +350,14 @@ def main() -> None:
     res = json.loads(res_path.read_text()) if res_path.is_file() else {"runs": {}}
     kept = {k: v for k, v in res.get("meta", {}).items() if k in ("real_fid", "real_fid_n")}  # not recomputed
     res["meta"] = {"grid": args.grid, "experiment": grid["experiment"], "machine": machine_facts(args.threads, args.extra, args.eval_extra.split()),
-                   "command": shown(["python", *sys.argv]), "eval_overrides": eval_overrides(args.grid, args),
+                   "command": shown(["python", *sys.argv]), "seed": args.seed,
+                   "eval_overrides": eval_overrides(args.grid, args),
                    **kept}
     names = args.variants.split(",") if args.variants else list(grid["variants"])
     for name in names:
         if name not in grid["variants"]:
             raise SystemExit(f"unknown variant {name!r}; valid: {', '.join(grid['variants'])}")
-        run_dir = (ROOT / args.runs / args.grid / slug(name)).resolve()
+        run_dir = (ROOT / args.runs / args.grid / run_dir_name(name, args.seed)).resolve()
         run = res["runs"].setdefault(name, {"points": {}})
         done = run_dir / "metrics.json"
         if not done.is_file() or json.loads(done.read_text()).get("global_step", 0) < args.steps:

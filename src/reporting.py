@@ -9,7 +9,8 @@ a table can be rebuilt from a saved JSON file without the run directories.
 - rows: :func:`group_rows` groups rows by a key, in first-seen order;
 - summaries: :func:`summarise` (mean, std over seeds, count of finite values), :func:`summarise_metrics`
   (that for every column), :func:`format_summary` (the ``mean ± std`` cell: bytes shown in MB, std only when
-  there are at least two values);
+  there are at least two values), :func:`seed_verdict` (is one method better than another over seeds:
+  agree / disagree / undecided at twice the standard error of the difference);
 - markdown: :func:`markdown_table`;
 - result files: :func:`write_results` (``<stem>.json`` atomically, then ``<stem>.md`` rendered from it),
   :func:`load_results` (a saved JSON to merge into) and :func:`rerender` (the markdown again from a saved
@@ -40,6 +41,7 @@ __all__ = [
     "read_overrides",
     "rerender",
     "scale_of",
+    "seed_verdict",
     "summarise",
     "summarise_metrics",
     "write_results",
@@ -105,6 +107,25 @@ def summarise_metrics(metric_dicts: list[dict], keys: Iterable[str]) -> dict[str
         m, s, n = summarise([d.get(key) for d in metric_dicts])
         out[key] = {"mean": m, "std": s, "n": n}
     return out
+
+
+def seed_verdict(a: Iterable[float | None], b: Iterable[float | None], lower_is_better: bool
+                 ) -> tuple[str, float, float]:
+    """Verdict of the claim 'a is better than b' from two sets of seeds, with the two means: agree / disagree
+    when the means differ by more than twice the standard error of their difference (Welch: sd²/n of each side
+    summed; with no spread on either side, any difference decides), undecided otherwise, for equal means, or with
+    fewer than 2 finite values on a side."""
+    ma, sa, na = summarise(a)
+    mb, sb, nb = summarise(b)
+    if na < 2 or nb < 2:
+        return "undecided (fewer than 2 seeds)", ma, mb
+    se = math.sqrt(sa**2 / na + sb**2 / nb)
+    diff = (mb - ma) if lower_is_better else (ma - mb)  # > 0: a is better
+    if diff == 0:
+        return "undecided (equal means)", ma, mb
+    if se > 0 and abs(diff) <= 2 * se:
+        return f"undecided (difference {abs(diff):.2f} ≤ 2 s.e. = {2 * se:.2f})", ma, mb
+    return ("agree" if diff > 0 else "disagree") + f" (difference {abs(diff):.2f}, 2 s.e. = {2 * se:.2f})", ma, mb
 
 
 def scale_of(key: str) -> float:

@@ -52,6 +52,21 @@ class Identity(nn.Module):
         return x
 
 
+class MeanPool(nn.Module):
+    """A small deterministic image "feature network" (4x4 average pools of 28x28 images: 49 features) that counts
+    its calls."""
+
+    num_features = 49
+
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return nn.functional.avg_pool2d(x.float(), 4).flatten(1)
+
+
 def frechet(mu1, s1, mu2, s2) -> float:
     """‖μ1 − μ2‖² + tr(Σ1 + Σ2 − 2 (Σ1 Σ2)^½) with scipy's sqrtm, float64."""
     covmean = scipy.linalg.sqrtm(s1 @ s2)
@@ -130,6 +145,47 @@ def test_fid_of_features_is_the_metrics_fid(one_thread):
     ours = float(fid_of_features(torch.from_numpy(x1), torch.from_numpy(x2)))
     assert ours == pytest.approx(float(metric.compute()), rel=1e-6)
     assert ours == pytest.approx(frechet(*sample_stats(x1), *sample_stats(x2)), rel=1e-6)
+
+
+def test_fid_metric_reports_the_same_fid_with_and_without_its_bootstrap(one_thread):
+    """model.metrics.fid.bootstrap keeps the features and computes the FID from them (each image through the
+    feature network once): the same test/fid as the streamed torchmetrics sums, for the same samples."""
+    from types import SimpleNamespace
+
+    from src.metrics.evaluation import FID
+
+    gen = torch.Generator().manual_seed(0)
+    real_images = torch.rand(60, 1, 28, 28, generator=gen)
+    calls = []
+
+    class Data:
+        is_image = True
+
+        def split_tensor(self, split, n):
+            return real_images[:n]
+
+        def to_pixels(self, x):
+            return x
+
+    class Module:
+        trainer = SimpleNamespace(world_size=1, global_rank=0)
+        device = torch.device("cpu")
+
+        def sample_pixels(self, k, seed):
+            calls.append(k)
+            return torch.rand(k, 1, 28, 28, generator=torch.Generator().manual_seed(seed)) ** 2
+
+    extractor = MeanPool()
+    results = {}
+    for boot in (0, 20):
+        metric = FID(n_samples=50, batch_size=16, bootstrap=boot)
+        object.__setattr__(metric, "_fid", build_fid("mnist", feature=extractor))
+        metric.setup(Module(), Data())
+        extractor.calls = 0
+        results[boot] = metric.compute(Module(), "test")
+        assert extractor.calls == 8  # 4 batches of real and 4 of generated images, each extracted once
+    assert results[20]["test/fid"] == pytest.approx(results[0]["test/fid"], rel=1e-5)
+    assert results[20]["test/fid_bootstrap_sd"] > 0 and "test/fid_bootstrap_sd" not in results[0]
 
 
 def test_bootstrap_sd_matches_the_fids_sampling_distribution(one_thread):

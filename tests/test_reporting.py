@@ -14,9 +14,23 @@ from src.reporting import (
     load_run,
     markdown_table,
     parse_overrides,
+    seed_verdict,
     summarise,
     summarise_metrics,
 )
+
+
+def test_seed_verdict_follows_the_standard_error_of_the_difference():
+    # means -30 vs -20, sds 1 (3 seeds each): s.e. of the difference 0.816, difference 10 -> agree
+    verdict, a, b = seed_verdict([-31, -30, -29], [-21, -20, -19], lower_is_better=True)
+    assert verdict.startswith("agree") and (a, b) == (-30, -20) and "2 s.e. = 1.63" in verdict
+    assert seed_verdict([-21, -20, -19], [-31, -30, -29], lower_is_better=True)[0].startswith("disagree")
+    assert seed_verdict([-13.0, -12.9], [-13.2, -13.1], lower_is_better=False)[0].startswith("agree")
+    # difference 1 against 2 s.e. = 2 * sqrt(2 * 9 / 3) = 4.9 -> undecided
+    assert seed_verdict([-33, -30, -27], [-32, -29, -26], lower_is_better=True)[0].startswith("undecided (difference")
+    assert seed_verdict([-30], [-20, -21], lower_is_better=True)[0] == "undecided (fewer than 2 seeds)"
+    assert seed_verdict([5, 5], [5, 5], lower_is_better=True)[0] == "undecided (equal means)"
+    assert seed_verdict([4, 4], [5, 5], lower_is_better=True)[0].startswith("agree")  # no spread: any difference
 
 
 def test_summaries_and_their_cells():

@@ -389,6 +389,9 @@ class FID(EvalMetric):
     ``to_pixels``. Under DDP each rank draws its share of both sets and torchmetrics sums the feature
     statistics across ranks. Computed once per test epoch, at its end, with a progress task over the images
     (the sampler may show its own, e.g. Langevin levels × steps); ``test/fid_n_samples`` records the count.
+    With ``bootstrap`` > 0 every image's features are kept (gathered across ranks) instead of summed, and both the
+    FID (:func:`src.metrics.fid.fid_of_features`: the same distance as torchmetrics' sums) and its bootstrap sd
+    come from them: each image goes through the feature network once.
     """
 
     name = "fid"
@@ -435,10 +438,11 @@ class FID(EvalMetric):
 
         def add(images: torch.Tensor, is_real: bool) -> None:
             images = images.to(module.device).float()
-            fid.update(images, real=is_real)
-            if self.bootstrap:
+            if self.bootstrap:  # features kept (extracted once): the FID and its bootstrap are computed from them
                 with torch.no_grad():
                     features[is_real].append(fid.inception(images).double())
+            else:  # streamed into torchmetrics' running sums
+                fid.update(images, real=is_real)
 
         with progress.phase(module, f"FID ({self.kind} features): real + generated images",
                             real.shape[0] + n_fake) as advance:
@@ -454,14 +458,14 @@ class FID(EvalMetric):
                         raise ValueError(f"model.metrics.fid: {type(module).__name__} does not generate samples")
                     add(fake, False)
                     advance(k)
-        out = {"test/fid": float(fid.compute()), "test/fid_n_samples": float(self.n_samples)}
-        if self.bootstrap:
-            from src.metrics.fid import bootstrap_fid_sd
+        if not self.bootstrap:
+            return {"test/fid": float(fid.compute()), "test/fid_n_samples": float(self.n_samples)}
+        from src.metrics.fid import bootstrap_fid_sd, fid_of_features
 
-            real_f, fake_f = (_gathered_rows(module, torch.cat(features[flag])) for flag in (True, False))
-            g = torch.Generator().manual_seed(self.seed)  # the same replicates on every rank
-            out["test/fid_bootstrap_sd"] = bootstrap_fid_sd(real_f.cpu(), fake_f.cpu(), self.bootstrap, g)
-        return out
+        real_f, fake_f = (_gathered_rows(module, torch.cat(features[flag])).cpu() for flag in (True, False))
+        g = torch.Generator().manual_seed(self.seed)  # the same replicates on every rank
+        return {"test/fid": float(fid_of_features(real_f, fake_f)), "test/fid_n_samples": float(self.n_samples),
+                "test/fid_bootstrap_sd": bootstrap_fid_sd(real_f, fake_f, self.bootstrap, g)}
 
 
 def _gathered_rows(module, x: torch.Tensor) -> torch.Tensor:

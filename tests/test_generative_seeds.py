@@ -1,0 +1,115 @@
+"""The multi-seed NCSN / SSM-VAE comparison (benchmarks/generative_seeds.py) on per-seed results with known numbers:
+seeds read from the commands, protocol checks, the equal-steps and equal-wall-time reads, the verdicts."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+if str(BENCH) not in sys.path:
+    sys.path.insert(0, str(BENCH))
+SPEC = importlib.util.spec_from_file_location("generative_seeds", BENCH / "generative_seeds.py")
+gs = importlib.util.module_from_spec(SPEC)
+SPEC.loader.exec_module(gs)
+
+DEQ, REFINE, TWORES = "DEQ-SSM-VR NCSN", "SSM-VR NCSN (RefineNet)", "TwoRes-SSM-VR NCSN"
+
+
+def _run(seed: int, fids: list[float], walls: list[float], dsm: float, saved: float, per_step: float) -> dict:
+    """A training_curves run: checkpoints at steps 100, 200, … with the given FIDs and wall times."""
+    pts = {f"step_{100 * (i + 1):07d}.ckpt": {
+        "step": 100 * (i + 1), "train_time_s": w,
+        "metrics": {"test/fid": f, "test/fid_bootstrap_sd": 2.0, "test/dsm_loss": dsm + (len(fids) - 1 - i)}}
+        for i, (f, w) in enumerate(zip(fids, walls))}
+    return {"command": f"python -m src.train experiment=ncsn_mnist seed={seed} test=false", "points": pts,
+            "train": {"profile/saved_bytes_mean": saved, "profile/time_per_step_s": per_step}}
+
+
+def _part(tmp_path: Path, seed: int, runs: dict, **meta) -> Path:
+    m = {"grid": "ncsn", "experiment": "experiment=ncsn_mnist", "eval_overrides": ["model.metrics.fid.n_samples=1000"],
+         "real_fid_n": 1000, "real_fid": 20.0, "machine": "test machine", "command": f"python x --seed {seed}"} | meta
+    path = tmp_path / f"part{seed}_{len(list(tmp_path.iterdir()))}.json"
+    path.write_text(json.dumps({"meta": m, "runs": runs}))
+    return path
+
+
+def _three_seeds(tmp_path: Path) -> list[Path]:
+    # DEQ: FID 100/101/102 at 200 steps, fast (1 s/step); RefineNet: FID 150/152/148, 2 s/step;
+    # TwoRes: FID 99/104/101 (a tie with the DEQ)
+    parts = []
+    for s, (d, r, t) in enumerate([(100, 150, 99), (101, 152, 104), (102, 148, 101)]):
+        parts.append(_part(tmp_path, s, {
+            DEQ: _run(s, [300, d], [100, 200], 10.0, 3e8, 1.0),
+            REFINE: _run(s, [170 + s, r], [200, 400], 12.0, 6e8, 2.0),
+            TWORES: _run(s, [280, t], [100, 200], 10.5, 3e8, 1.0)}))
+    return parts
+
+
+def test_seed_of_reads_the_last_seed_override():
+    assert gs.seed_of("python -m src.train seed=2 data.seed=5") == 2
+    assert gs.seed_of("python -m src.train experiment=x") == 0
+    assert gs.seed_of("python -m src.train seed=1 seed=3") == 3
+
+
+def test_collect_groups_seeds_and_refuses_mixed_protocols(tmp_path):
+    parts = _three_seeds(tmp_path)
+    res = gs.collect([(p, json.loads(p.read_text())) for p in parts])
+    assert sorted(res["runs"][DEQ]) == ["0", "1", "2"] and len(res["meta"]["parts"]) == 3
+    other = _part(tmp_path, 3, {DEQ: _run(3, [1], [1], 1, 1, 1)}, eval_overrides=["model.metrics.fid.n_samples=250"])
+    with pytest.raises(SystemExit, match="eval_overrides"):
+        gs.collect([(p, json.loads(p.read_text())) for p in [*parts, other]])
+    with pytest.raises(SystemExit, match="seed 0 is in more than one part"):
+        gs.collect([(p, json.loads(p.read_text())) for p in [parts[0], parts[0]]])
+
+
+def test_equal_steps_equal_wall_time_and_verdicts(tmp_path):
+    res = gs.collect([(p, json.loads(p.read_text())) for p in _three_seeds(tmp_path)])
+    res["meta"] |= {"command": "python benchmarks/generative_seeds.py ncsn", "name": "ncsn_mnist_seeds"}
+    budget = gs.wall_budget(res["runs"])
+    assert budget == 200  # the DEQ's and TwoRes' 200 s; the RefineNet needs 400 s for its 200 steps
+    # within 200 s the RefineNet reached step 100 only: FID 170/171/172
+    assert gs.at_wall_time(res["runs"][REFINE]["1"], budget) | {} == {
+        "test/fid": 171, "test/fid_bootstrap_sd": 2.0, "test/dsm_loss": 13.0, "step": 100}
+    lines = gs.verdicts(res, budget)
+    text = "\n".join(lines)
+    # DEQ 101 ± 1 vs RefineNet 150 ± 2: better by 49, 2 s.e. = 2 sqrt(1/3 + 4/3) = 2.58
+    assert f'"{DEQ} ≥ {REFINE}", FID at equal steps: agree (difference 49.00, 2 s.e. = 2.58); 101.00 vs 150.00' in text
+    assert f'"{DEQ} ≥ {REFINE}", FID at equal wall time (200 s): agree' in text
+    # DEQ 101 ± 1 vs TwoRes 101.33 ± 2.52: a tie
+    assert f'"{DEQ} ≥ {TWORES}", FID at equal steps: undecided' in text
+    # saved bytes do not vary over seeds: any difference decides, none is a tie
+    assert f'"{DEQ} needs less saved MB / step than {REFINE}": agree; ratio 0.50' in text
+    assert f'"{DEQ} needs less saved MB / step than {TWORES}": undecided; ratio 1.00' in text
+    md = gs.render(res)
+    assert "| DEQ-SSM-VR NCSN | 0,1,2 | 200 | 101.00 ± 1.00 | 2.00 ± 0.00 | 10.00 ± 0.00 |" in md
+    assert "## At the same training wall time (200 s, the shortest variant's)" in md
+    assert "| SSM-VR NCSN (RefineNet) | 100 ± 0 | 171.00 ± 1.00 | 13.00 ± 0.00 |" in md
+
+
+def test_main_writes_json_markdown_and_figure_and_renders_again(tmp_path):
+    parts = _three_seeds(tmp_path)
+    out = tmp_path / "out"
+    gs.main(["ncsn", *(a for p in parts for a in ("--part", str(p))), "--out", str(out)])
+    for suffix in ("json", "md", "png"):
+        assert (out / f"ncsn_mnist_seeds.{suffix}").stat().st_size > 0
+    md = (out / "ncsn_mnist_seeds.md").read_text()
+    (out / "ncsn_mnist_seeds.md").unlink()
+    gs.main(["ncsn", "--render", "--out", str(out)])
+    assert (out / "ncsn_mnist_seeds.md").read_text() == md
+    with pytest.raises(SystemExit, match="not 'vae'"):
+        gs.main(["vae", "--part", str(parts[0]), "--out", str(out)])
+
+
+def test_vae_last_metrics_take_the_larger_final_ais_test():
+    run = {"points": {"a": {"step": 100, "train_time_s": 5, "metrics": {"test/log_likelihood": -120.0}}},
+           "final": {"step": 100, "ais_points": 500,
+                     "metrics": {"test/log_likelihood": -110.0, "test/log_likelihood_stderr": 1.5}}}
+    last = gs.last_metrics(run)
+    assert last["test/log_likelihood"] == -110.0 and last["ais_points"] == 500
+    run["final"]["step"] = 50  # a final test of another checkpoint is not this one's
+    assert gs.last_metrics(run)["test/log_likelihood"] == -120.0
