@@ -130,19 +130,29 @@ def cell(values, key: str = "", digits: int = 2) -> str:
     return format_summary(key, m, s, n, digits)
 
 
+def mean_cell(values, digits: int = 2) -> str:
+    """The mean alone (an error measure averaged over seeds), ``—`` for none."""
+    m, _, n = summarise(values)
+    return format_summary("", m, 0.0, min(n, 1), digits)
+
+
 def summary_rows(res: dict) -> tuple[list[str], list[list[str]]]:
     grid = res["meta"]["grid"]
     head = ["variant", "seeds", "steps"]
     rows = []
     for _, label, _, err in CLAIMS[grid]["quality"]:
         head += [f"{label} (mean ± sd over seeds)", "its sampling error (mean over seeds)"]
+    head += ["AIS test images"] if grid == "vae" else []
     head += [label for _, label, _ in COSTS] + ["wall s at the last step"]
     for variant, seeds in res["runs"].items():
         last = [last_metrics(r) for r in seeds.values()]
         steps = sorted({m.get("step") for m in last if m})
         row = [variant, ",".join(sorted(seeds, key=int)), "–".join(map(str, steps)) or "—"]
         for key, _, _, err in CLAIMS[grid]["quality"]:
-            row += [cell([m.get(key) for m in last]), cell([m.get(err) for m in last]) if err else "—"]
+            row += [cell([m.get(key) for m in last]), mean_cell([m.get(err) for m in last])]
+        if grid == "vae":  # per seed: a seed tested on fewer images has the larger standard error
+            row += [",".join(str(int(n)) if n else "—" for n in (m.get("ais_points") or m.get("test/ais_points")
+                                                                  for m in last))]
         row += [cell([(r.get("train") or {}).get(k) for r in seeds.values()], k, d) for k, _, d in COSTS]
         row += [cell([m.get("train_time_s") for m in last], digits=0)]
         rows.append(row)

@@ -86,7 +86,7 @@ def test_equal_steps_equal_wall_time_and_verdicts(tmp_path):
     assert f'"{DEQ} needs less saved MB / step than {REFINE}": agree; ratio 0.50' in text
     assert f'"{DEQ} needs less saved MB / step than {TWORES}": undecided; ratio 1.00' in text
     md = gs.render(res)
-    assert "| DEQ-SSM-VR NCSN | 0,1,2 | 200 | 101.00 ± 1.00 | 2.00 ± 0.00 | 10.00 ± 0.00 |" in md
+    assert "| DEQ-SSM-VR NCSN | 0,1,2 | 200 | 101.00 ± 1.00 | 2.00 | 10.00 ± 0.00 | — | 300.0 ± 0.0 | 1.000 ± 0.000 | 200 ± 0 |" in md
     assert "## At the same training wall time (200 s, the shortest variant's)" in md
     assert "| SSM-VR NCSN (RefineNet) | 100 ± 0 | 171.00 ± 1.00 | 13.00 ± 0.00 |" in md
 
