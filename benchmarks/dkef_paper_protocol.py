@@ -159,9 +159,9 @@ def verdict_lines(jobs) -> list[str]:
                 continue
             for prefix, what in (("", "as trained"), ("final_refit/", "after the final λ refit")):
                 sm = seed_verdict(values(deq, f"{prefix}test/sm_loss"), values(by[other], f"{prefix}test/sm_loss"),
-                                lower_is_better=True)
+                                  lower_is_better=True)
                 ll = seed_verdict(values(deq, f"{prefix}test/log_likelihood"),
-                                values(by[other], f"{prefix}test/log_likelihood"), lower_is_better=False)
+                                  values(by[other], f"{prefix}test/log_likelihood"), lower_is_better=False)
                 if math.isnan(sm[1]) or math.isnan(sm[2]):
                     continue
                 lines.append(f"- {group}, \"DEQ-SM beats {other} on test SM loss\" ({what}): {sm[0]}; "
