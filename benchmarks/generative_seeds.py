@@ -42,9 +42,10 @@ import re
 from pathlib import Path
 
 from _common import result_options, script_command
+from run_grid import fmt
 from training_curves import GRIDS
 
-from src.reporting import figure, format_summary, markdown_table, seed_verdict, summarise, write_results
+from src.reporting import figure, markdown_table, seed_verdict, summarise, write_results
 
 PROTOCOL = ("grid", "experiment", "eval_overrides", "real_fid_n")
 # The DEQ variants and the explicit ones they are compared with; each quality metric: (key, label, lower is
@@ -126,15 +127,10 @@ def at_wall_time(run: dict, budget: float) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- summaries
-def cell(values, key: str = "", digits: int = 2) -> str:
-    m, s, n = summarise(values)
-    return format_summary(key, m, s, n, digits)
-
-
 def mean_cell(values, digits: int = 2) -> str:
     """The mean alone (an error measure averaged over seeds), ``—`` for none."""
     m, _, n = summarise(values)
-    return format_summary("", m, 0.0, min(n, 1), digits)
+    return f"{m:.{digits}f}" if n else "—"
 
 
 def summary_rows(res: dict) -> tuple[list[str], list[list[str]]]:
@@ -150,12 +146,12 @@ def summary_rows(res: dict) -> tuple[list[str], list[list[str]]]:
         steps = sorted({m.get("step") for m in last if m})
         row = [variant, ",".join(sorted(seeds, key=int)), "–".join(map(str, steps)) or "—"]
         for key, _, _, err in CLAIMS[grid]["quality"]:
-            row += [cell([m.get(key) for m in last]), mean_cell([m.get(err) for m in last])]
+            row += [fmt([m.get(key) for m in last], 2, key), mean_cell([m.get(err) for m in last])]
         if grid == "vae":  # per seed: a seed tested on fewer images has the larger standard error
             row += [",".join(str(int(n)) if n else "—" for n in (m.get("ais_points") or m.get("test/ais_points")
                                                                   for m in last))]
-        row += [cell([(r.get("train") or {}).get(k) for r in seeds.values()], k, d) for k, _, d in COSTS]
-        row += [cell([m.get("train_time_s") for m in last], digits=0)]
+        row += [fmt([(r.get("train") or {}).get(k) for r in seeds.values()], d, k) for k, _, d in COSTS]
+        row += [fmt([m.get("train_time_s") for m in last], 0, "train_time_s")]
         rows.append(row)
     return head, rows
 
@@ -166,8 +162,8 @@ def wall_rows(res: dict, budget: float) -> tuple[list[str], list[list[str]]]:
     rows = []
     for variant, seeds in res["runs"].items():
         at = [at_wall_time(r, budget) for r in seeds.values()]
-        rows.append([variant, cell([a.get("step") for a in at], digits=0),
-                     *(cell([a.get(key) for a in at]) for key, _, _, _ in CLAIMS[grid]["quality"])])
+        rows.append([variant, fmt([a.get("step") for a in at], 0, "step"),
+                     *(fmt([a.get(key) for a in at], 2, key) for key, _, _, _ in CLAIMS[grid]["quality"])])
     return head, rows
 
 
