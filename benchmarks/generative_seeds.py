@@ -82,7 +82,8 @@ def collect(parts: list[tuple[Path, dict]]) -> dict:
                 raise SystemExit(f"{path}: {key} {part['meta'].get(key)!r} differs from {first_path}'s "
                                  f"{first['meta'].get(key)!r}; the seeds of one comparison need one protocol")
         commands = part["meta"].get("commands") or [part["meta"].get("command")]
-        meta["parts"].append({"machine": part["meta"].get("machine"), "commands": commands})
+        meta["parts"].append({"machine": part["meta"].get("machine"), "commands": commands,
+                              "concurrent": part["meta"].get("concurrent", 1)})
         for variant, run in part["runs"].items():
             seed = str(seed_of(run.get("command", "")))
             if seed in runs.setdefault(variant, {}):
@@ -198,6 +199,18 @@ def verdicts(res: dict, budget: float | None) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- output
+def shared_machine_caveat(meta: dict) -> list[str]:
+    """A warning line when some seed's runs trained side by side with other processes (``seeds_campaign.py
+    --parallel``): their wall times include a load that changed as parts finished, so equal wall time is
+    approximate there."""
+    most = max((p.get("concurrent") or 1 for p in meta["parts"]), default=1)
+    if most <= 1:
+        return []
+    return [(f"Caution: these runs trained up to {most} processes at once on one machine, so a run's wall time "
+             "includes the others' load (which fell as runs finished); the equal-steps table is the clean "
+             "comparison, and `benchmarks/speed.py` measures each step alone."), ""]
+
+
 def render(res: dict) -> str:
     meta = res["meta"]
     lines = [f"# {meta['grid'].upper()} on MNIST over seeds ({meta['experiment']})", "",
@@ -216,6 +229,7 @@ def render(res: dict) -> str:
         head, rows = wall_rows(res, budget)
         lines += [f"## At the same training wall time ({budget:.0f} s, the fastest variant's)", "",
                   "Each seed read at its last checkpoint trained within the budget.", "",
+                  *shared_machine_caveat(meta),
                   *markdown_table(head, rows), ""]
     lines += ["## Verdicts", "",
               ("agree: the DEQ is better by more than twice the standard error of the difference over seeds; "

@@ -95,6 +95,20 @@ def test_equal_steps_equal_wall_time_and_verdicts(tmp_path):
     assert "| SSM-VR NCSN (RefineNet) | 100 ± 0 | 171.00 ± 1.00 | 13.00 ± 0.00 |" in md
 
 
+def test_equal_time_table_warns_when_runs_shared_the_machine(tmp_path):
+    """Parts trained side by side (seeds_campaign.py --parallel) record it, and the equal-wall-time table says that
+    their wall times include the others' load; parts trained alone (or recorded before the field) get no warning."""
+    alone = gs.collect([(p, json.loads(p.read_text())) for p in _three_seeds(tmp_path)])
+    alone["meta"] |= {"command": "c", "name": "n"}
+    assert [p["concurrent"] for p in alone["meta"]["parts"]] == [1, 1, 1]
+    assert "Caution" not in gs.render(alone)
+    shared = json.loads(json.dumps(alone))
+    shared["meta"]["parts"][1]["concurrent"] = 12
+    md = gs.render(shared)
+    caution = md.index("Caution: these runs trained up to 12 processes at once")
+    assert md.index("## At the same training wall time") < caution < md.index("## Verdicts")
+
+
 def test_main_writes_json_markdown_and_figure_and_renders_again(tmp_path):
     parts = _three_seeds(tmp_path)
     out = tmp_path / "out"
