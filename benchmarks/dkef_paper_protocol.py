@@ -12,7 +12,9 @@ every tested checkpoint with the reference's final stage (``--eval-final-refit``
         --out outputs/paper_protocol --name dkef_grid --eval-final-refit
     python benchmarks/dkef_paper_protocol.py --grid outputs/paper_protocol/dkef_grid.json --root <data dir>
 
-``--grid LABEL=PATH`` adds a controlled grid (e.g. another data split) whose methods are shown as
+``--add`` keeps the jobs of the saved result in ``--out`` and adds those of ``--grid`` (a job of the same data
+set, method and seed replaces the saved one): grids run in another session, whose run directories are gone,
+join the table without re-running the others. ``--grid LABEL=PATH`` adds a controlled grid (e.g. another data split) whose methods are shown as
 ``METHOD (LABEL)``. Each run's validation curve is read from its CSV log and the per-point test SM losses from
 its tested checkpoint (mean, median, and the mean without the largest 2 %: the loss is heavy-tailed, so a few
 test points move the mean by several nats), all stored in the JSON, so ``--render`` rebuilds the markdown and
@@ -123,6 +125,23 @@ def collect(grids: list[tuple[str, Path]], root: str, tails: bool) -> list[dict]
     return jobs
 
 
+def added_to_saved(saved: dict, jobs: list[dict], meta: dict) -> tuple[list[dict], dict]:
+    """The saved result's jobs with ``jobs`` added, a new job replacing a saved one of the same data set, method
+    and seed; the grid commands of both, and every command that built the result in order (``meta["commands"]``),
+    the saved note kept unless a new one is given."""
+    def key(job):
+        return job["group"], job["method"], job["seed"]
+
+    new = {key(j) for j in jobs}
+    merged = [j for j in saved["jobs"] if key(j) not in new] + jobs
+    old = saved["meta"]
+    meta = dict(meta, grid_commands=list(dict.fromkeys([*old["grid_commands"], *meta["grid_commands"]])),
+                commands=[*(old.get("commands") or [old["command"]]), meta["command"]])
+    if old.get("note"):
+        meta.setdefault("note", old["note"])
+    return merged, meta
+
+
 # -------------------------------------------------------------------------------------------- table
 def base_method(method: str) -> str:
     return method.split(" (")[0]
@@ -204,7 +223,12 @@ def paper_gap_lines(jobs) -> list[str]:
 
 def render(res: dict) -> str:
     meta, jobs = res["meta"], res["jobs"]
-    lines = [f"Command: `{meta['command']}`", "", f"Machine: {meta['machine']}", ""]
+    if meta.get("commands"):  # several sessions' grids added to one result (--add)
+        lines = ["Commands, in the order they built this result (`--add` keeps the saved jobs):", "",
+                 *(f"- `{c}`" for c in meta["commands"]), ""]
+    else:
+        lines = [f"Command: `{meta['command']}`", ""]
+    lines += [f"Machine: {meta['machine']}", ""]
     lines += ["Grids (each job's own `src.train` command and its `src.evaluate` re-evaluation are in the JSON):", ""]
     lines += [f"- `{c}`" for c in meta["grid_commands"]] + [""]
     lines += note_lines(meta)
@@ -295,6 +319,8 @@ def main(argv=None) -> None:
     ap.add_argument("--root", default=str(_common.DATA_ROOT), help="data.root for the per-point analysis")
     ap.add_argument("--no-tails", action="store_true", help="skip the per-point analysis of the test SM loss")
     ap.add_argument("--note", type=Path, default=None, help="a markdown finding printed above the table")
+    ap.add_argument("--add", action="store_true",
+                    help="keep the saved result's jobs (in --out) and add or replace those of --grid")
     result_options(ap)
     args = ap.parse_args(argv)
     if _common.rendered(args, STEM, render):
@@ -319,6 +345,8 @@ def main(argv=None) -> None:
     for j in jobs:
         for key in ["command", *(k for k in j if k.endswith("_eval_command"))]:
             j[key] = portable_text(j[key] or "")
+    if args.add:
+        jobs, meta = added_to_saved(json.loads((args.out / f"{STEM}.json").read_text()), jobs, meta)
     if args.note:
         meta["note"] = args.note.read_text()
     write_results(args.out, STEM, {"meta": meta, "jobs": jobs}, render, indent=1)

@@ -314,3 +314,25 @@ def test_paper_protocol_table_and_verdicts_from_known_runs():
     assert '"DEQ-SM needs less saved bytes per step than SM 16-layer": agree; 60 MB vs 120 MB (ratio 0.50)' in md
     assert "SM 3-layer: undecided — SM 3-layer not run at this protocol" in md
     assert "redwine DEQ-SM SM: -31.00 ± 1.00 vs paper -44.5 ± 4.1 — 13.5 seed sds away (far" in md
+
+
+def test_paper_protocol_add_keeps_saved_jobs_and_replaces_reruns():
+    """``--add``: grids of a later session join the saved result (whose run directories are gone); a job of the
+    same data set, method and seed replaces the saved one; every command that built the result is listed."""
+    pp = _benchmark("dkef_paper_protocol")
+
+    def job(group, method, seed, sm):
+        return {"group": group, "method": method, "seed": seed, "ok": True, "metrics": {"test/sm_loss": sm}}
+
+    saved = {"meta": {"command": "first", "machine": "m", "grid_commands": ["g1"], "note": "n"},
+             "jobs": [job("redwine", "DEQ-SM", 0, -30.0), job("redwine", "DEQ-SM", 1, -31.0)]}
+    new = [job("redwine", "DEQ-SM", 1, -33.0), job("whitewine", "DEQ-SM", 0, -40.0)]
+    jobs, meta = pp.added_to_saved(saved, new, {"command": "second", "machine": "m2", "grid_commands": ["g2", "g1"]})
+    assert [(j["group"], j["seed"], j["metrics"]["test/sm_loss"]) for j in jobs] == [
+        ("redwine", 0, -30.0), ("redwine", 1, -33.0), ("whitewine", 0, -40.0)]
+    assert meta["grid_commands"] == ["g1", "g2"] and meta["commands"] == ["first", "second"]
+    assert meta["note"] == "n" and meta["machine"] == "m2"
+    _, again = pp.added_to_saved({"meta": meta, "jobs": jobs}, [], dict(meta, command="third", grid_commands=[]))
+    assert again["commands"] == ["first", "second", "third"]
+    md = pp.render({"meta": again, "jobs": jobs})
+    assert md.startswith("Commands, in the order they built this result") and "- `third`" in md
