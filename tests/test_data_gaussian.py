@@ -122,3 +122,23 @@ def test_gaussian_follows_the_data_contract_in_float64():
     assert dm.true_log_density(x32).dtype == torch.float32
     with pytest.raises(DataContractError):
         dm.bits_per_dim(logp, x)
+
+
+@pytest.mark.parametrize("n_train, sizes", [(9, [4, 4]), (10, [4, 4, 2]), (8, [4, 4]), (5, [4])])
+def test_training_loader_drops_only_a_last_batch_of_one_row(n_train, sizes):
+    """A DKEF step splits its batch into an α-fit half and a loss half, so a batch of one row cannot train:
+    k·B + 1 training rows drop the last row of each epoch (a different row each epoch: the order is reshuffled);
+    any other count keeps every row."""
+    dm = GaussianDataModule(dim=3, n_train=n_train, n_val=4, n_test=4, batch_size=4)
+    dm.setup("fit")
+    loader = dm.train_dataloader()
+    seen = []
+    for epoch in range(3):
+        loader.sampler.set_epoch(epoch)
+        batches = list(loader)
+        assert [b.shape[0] for b in batches] == sizes
+        seen.append({tuple(r.tolist()) for b in batches for r in b})
+    if n_train % 4 == 1:
+        assert len(set.union(*seen)) > sum(sizes)  # not always the same row left out
+    else:
+        assert all(len(s) == n_train for s in seen)

@@ -159,3 +159,14 @@ def test_dkef_bad_final_refit_is_a_clear_error(tmp_path, spec, needle):
     with pytest.raises((ValueError, InstantiationException), match="model.final_refit") as err:
         instantiate(cfg.model)
     assert needle in str(err.value)
+
+
+def test_dkef_trains_when_the_last_batch_would_hold_one_row(tmp_path):
+    """97 training rows at batch 16 (6·16 + 1, like WhiteWine's reference split at batch 128: 31·128 + 1): the
+    epoch's single-row remainder is dropped instead of failing the α-fit/loss split of the step."""
+    cfg = compose_train([*FAST, "model=dkef", "loss=sm", "deq=false", "data.n_train=97", "trainer.max_epochs=2",
+                         "trainer.max_steps=-1", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1"],
+                        tmp_path)
+    train(cfg)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    assert saved["global_step"] == 12 and math.isfinite(saved["test/sm_loss"])

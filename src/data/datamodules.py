@@ -5,7 +5,8 @@ in memory as float32 tensors ``train_data``, ``val_data``, ``test_data`` [N, D] 
 :meth:`setup`; ``split_tensor(split, n)`` gives their first ``n`` rows) and give batches as plain tensors
 [B, D]. The Gaussian also offers its ground truth (``has_ground_truth``: ``true_log_density``,
 ``true_score``, in the dtype and device of their argument). The training loader reshuffles
-every epoch (``drop_last=False``) in a seeded order and resumes mid-epoch (:mod:`src.data.resumable`); the
+every epoch in a seeded order (every row, unless the last batch would hold a single row: a DKEF step needs
+two) and resumes mid-epoch (:mod:`src.data.resumable`); the
 val/test loaders keep the order. :meth:`setup` is idempotent: the
 data are built once per module and never re-randomised.
 """
@@ -79,7 +80,12 @@ class _InMemoryDataModule(ScoreDataModule):
         options = {"batch_size": batch_size, "drop_last": False, "num_workers": self.num_workers,
                    "persistent_workers": self.num_workers > 0, "collate_fn": _stack}
         if train:  # resumable, seeded order (src.data.resumable)
-            return ResumableLoader(RowDataset(data), ResumableSampler(data.shape[0], shuffle=True), **options)
+            sampler = ResumableSampler(data.shape[0], shuffle=True)
+            # A DKEF step fits α on one half of its batch and takes the loss on the other, so it needs two rows:
+            # an epoch whose last batch would hold one row (k·B + 1 rows on this replica, e.g. WhiteWine's
+            # reference split, 3 969 = 31·128 + 1) drops that row. Any other size keeps every row, as before.
+            options["drop_last"] = len(sampler) % batch_size == 1
+            return ResumableLoader(RowDataset(data), sampler, **options)
         return DataLoader(RowDataset(data), shuffle=False, generator=eval_generator(), **options)
 
     def train_dataloader(self) -> DataLoader:
