@@ -12,10 +12,10 @@ every tested checkpoint with the reference's final stage (``--eval-final-refit``
         --out outputs/paper_protocol --name dkef_grid --eval-final-refit
     python benchmarks/dkef_paper_protocol.py --grid outputs/paper_protocol/dkef_grid.json --root <data dir>
 
-``--add`` keeps the jobs of the saved result in ``--out`` and adds those of ``--grid`` (a job of the same data
-set, method and seed replaces the saved one): grids run in another session, whose run directories are gone,
-join the table without re-running the others. ``--grid LABEL=PATH`` adds a controlled grid (e.g. another data split) whose methods are shown as
-``METHOD (LABEL)``. Each run's validation curve is read from its CSV log and the per-point test SM losses from
+``--grid LABEL=PATH`` adds a controlled grid (e.g. another data split) whose methods are shown as
+``METHOD (LABEL)``. ``--add`` keeps the jobs of the saved result in ``--out`` and adds those of ``--grid`` (a
+job of the same data set, method and seed replaces the saved one): grids run in another session, whose run
+directories are gone, join the table without re-running the others. Each run's validation curve is read from its CSV log and the per-point test SM losses from
 its tested checkpoint (mean, median, and the mean without the largest 2 %: the loss is heavy-tailed, so a few
 test points move the mean by several nats), all stored in the JSON, so ``--render`` rebuilds the markdown and
 the figure without the run directories. Writes ``dkef_paper_protocol.{json,md}`` and

@@ -41,14 +41,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shlex
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 from _common import ROOT
-from training_curves import GRIDS, slug
+from training_curves import GRIDS, shown, slug
 
 # the decisive comparison's protocol per grid (training_curves.py options)
 PROTOCOL = {
@@ -99,10 +98,6 @@ def part_command(args, seed: int, variant: str) -> list[str]:
             "--concurrent", str(args.parallel), "--extra", args.extra, "--eval-extra", args.eval_extra,
             "--runs", rel(args.runs), "--out", rel(args.work / "parts"),
             "--name", part_name(args.name, seed, variant)]
-
-
-def shown(cmd: list[str]) -> str:
-    return " ".join(shlex.quote(c) for c in ["python", *cmd[1:]])
 
 
 def run_parts(jobs: list[tuple[int, str, list[str]]], parallel: int, log_dir: Path, heartbeat_s: float = 60.0
