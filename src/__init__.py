@@ -1,5 +1,5 @@
 """deqsm: score matching with deep equilibrium layers (Hydra + PyTorch Lightning)."""
 
-from src.hydra_compat import install as _install_hydra_compat
+from src.config.hydra_patch import install as _install_hydra_patch
 
-_install_hydra_compat()
+_install_hydra_patch()

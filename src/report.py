@@ -17,7 +17,8 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from src.reporting import (
+from src.config.deq import deq_setting, family_of, resolve_depth
+from src.reports.tables import (
     figure,
     format_summary,
     group_rows,
@@ -108,9 +109,9 @@ def plot(jobs: list[dict], out: Path) -> list[Path]:
         saved = m.get("profile/saved_bytes_mean")
         if saved is None:
             continue
-        enabled = bool(cfg.get("deq", {}).get("enabled", False))
-        depth = cfg.get("depth") or (1 if enabled else 3)
-        (implicit if enabled else explicit)[depth].append(saved / 1e6)
+        setting = deq_setting(cfg.get("deq"))
+        depth = resolve_depth(family_of(cfg) or "dkef", cfg.get("depth"), setting)  # the run's own default
+        (implicit if setting is not None else explicit)[depth].append(saved / 1e6)
     memory = out / "memory_vs_depth.png"
     with figure(memory) as (_, axes):
         ax = axes[0][0]

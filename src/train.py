@@ -17,39 +17,31 @@ import hydra
 import lightning.pytorch as L
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.callbacks.checkpoint import LastCheckpoint
 from src.callbacks.ema import check_resume
+from src.callbacks.memory_estimate import MemoryEstimate
 from src.callbacks.profiling import ProfilingCallback
-from src.checkpoints import (
+from src.config.deq import deq_setting
+from src.config.family_data import check_family_data
+from src.metrics.presets import apply_eval_preset
+from src.reports.optuna_sweep import install as _install_sweep_report
+from src.runs.atomic import write_json_atomic
+from src.runs.build import build
+from src.runs.checkpoints import (
     AtomicCheckpointIO,
     check_checkpoint_file,
     check_matches_model,
     remove_stale_temporaries,
 )
-from src.memory_estimate import MemoryEstimate
-from src.metrics.presets import apply_eval_preset
-from src.runtime import print_metrics, set_float_environment, write_json_atomic
-from src.sweep_report import install as _install_sweep_report
+from src.runs.environment import print_metrics, set_float_environment
 
-_install_sweep_report()  # an Optuna sweep reports its failed trials and goes on (src/sweep_report.py)
+_install_sweep_report()  # an Optuna sweep reports its failed trials and goes on (src/reports/optuna_sweep.py)
 
 log = logging.getLogger(__name__)
-
-
-def build(conf: DictConfig, **kwargs):
-    """``hydra.utils.instantiate``, but a user error inside the target (a bad value, a missing file) is
-    re-raised as itself, so the message the user reads is ours rather than Hydra's wrapper."""
-    try:
-        return instantiate(conf, **kwargs)
-    except InstantiationException as exc:
-        if isinstance(exc.__cause__, (ValueError, FileNotFoundError, TypeError)):
-            raise exc.__cause__ from None
-        raise
 
 
 def _instantiate_group(group: DictConfig | None) -> list:
@@ -61,12 +53,12 @@ def _instantiate_group(group: DictConfig | None) -> list:
 def validate_config(cfg: DictConfig) -> None:
     """Start-up checks that turn an impossible combination into one clear message."""
     # Single-group values (depth, deq.*, data and model keys) are checked where they are used, once: the
-    # depth default and check in src.models.deq_net.resolve_depth, the DEQ keys in src.deq.config.DEQConfig.
+    # depth default and check in src.config.deq.resolve_depth, the DEQ keys in src.deq.config.DEQConfig.
     # Here only what no single group can see: combinations across groups.
-    deq = cfg.get("deq")
+    check_family_data(cfg)  # model=ncsn / model=vae on the default (non-image) data: one line naming the data
+    deq = deq_setting(cfg.get("deq"))
     loss = cfg.get("loss")
-    if (loss is not None and loss.get("name") == "cp" and deq is not None and deq.get("enabled")
-            and deq.get("backward") == "implicit"):
+    if loss is not None and loss.get("name") == "cp" and deq is not None and deq.backward == "implicit":
         raise ValueError(
             "loss=cp cannot run with deq.backward=implicit: curvature propagation records the network's elementary "
             "ops, and the implicit DEQ hides them inside one autograd Function. Use deq.backward=phantom with cp, "
@@ -266,7 +258,7 @@ def optimized_value(metrics: dict[str, Any], cfg: DictConfig, required: bool = F
     """The value of ``cfg.optimized_metric`` for a sweeper: the best checkpoint's score when checkpoints
     monitor it, else the metric's last logged value. When the run never logged it: a warning and None, or with
     ``required`` (a trial of an optimising sweeper) :class:`OptimizedMetricNotLogged`, one sentence that the
-    sweep reports as the trial's failure (src.sweep_report) before it goes on."""
+    sweep reports as the trial's failure (src.reports.optuna_sweep) before it goes on."""
     key = cfg.get("optimized_metric")
     if not key:
         return None

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from src.deq.lookup import blocks_of
+
 
 def _cpu(obj):
     if torch.is_tensor(obj):
@@ -52,7 +54,7 @@ class GradientProbe(Callback):
 
 def _warm_starts(module) -> dict:
     """The DEQ blocks' cached fixed points (a solve starts from them: they change its result at the tolerance)."""
-    return {name: m.warm_start_state() for name, m in module._deq_blocks()}
+    return {name: m.warm_start_state() for name, m in blocks_of(module)}
 
 
 def load_records(path: Path) -> list[dict]:
@@ -69,7 +71,7 @@ def replay_gradients(module, record: dict, k: int) -> dict[str, torch.Tensor]:
     ``k``-th ``manual_update`` call's loss, differentiated w.r.t. the parameters it reaches; earlier updates
     are not applied (the state before step ``k`` already holds them) but draw from the RNG as in the run."""
     module.load_state_dict(record["steps"][k]["state"])
-    for name, m in module._deq_blocks():  # start every solve where the rank's did
+    for name, m in blocks_of(module):  # start every solve where the rank's did
         m.load_warm_start_state(record["warm_start"].get(name, {}))
     params = dict(module.named_parameters())
     torch.set_rng_state(record["rng"])

@@ -13,7 +13,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.checkpoints import (
+from src.runs.checkpoints import (
     CheckpointError,
     NonFiniteCheckpointError,
     UnsafeCheckpointError,
@@ -73,8 +73,8 @@ def test_checkpoints_load_weights_only_and_hold_plain_values(dkef_run):
 
 
 def test_crafted_checkpoint_is_refused_by_every_load_path(dkef_run, tmp_path):
-    from src.evaluate import evaluate
-    from src.sample import sample_from_checkpoint
+    from src.runs.evaluation import evaluate
+    from src.runs.sampling import sample_from_checkpoint
 
     path, marker = crafted(dkef_run, tmp_path)
     refused = r"holds a pickled posix\.system, which a safe load refuses .* trust_checkpoint=true"
@@ -140,8 +140,8 @@ def test_diverging_run_writes_no_nonfinite_checkpoint(tmp_path):
 
 
 def test_checkpoint_of_another_family_or_shape_is_named(dkef_run, tmp_path):
-    from src.evaluate import evaluate
-    from src.sample import sample_from_checkpoint
+    from src.runs.evaluation import evaluate
+    from src.runs.sampling import sample_from_checkpoint
 
     last = dkef_run / "checkpoints" / "last.ckpt"
     with pytest.raises(CheckpointError, match=r"does not fit this DKEFLitModule: shapes differ: .*\[16, "):
@@ -168,8 +168,8 @@ def test_run_config_may_only_build_deqsm_classes(dkef_run, tmp_path):
     blocks os.system-like targets but not ``torch.load`` (measured), which unpickles a file of the run."""
     import shutil
 
-    from src.evaluate import evaluate
-    from src.sample import sample_from_checkpoint
+    from src.runs.evaluation import evaluate
+    from src.runs.sampling import sample_from_checkpoint
 
     run = tmp_path / "shared_run"
     shutil.copytree(dkef_run / ".hydra", run / ".hydra")

@@ -23,7 +23,7 @@ from src.data import cifar10 as C10
 from src.data import download as dl
 from src.data import images as I
 from src.data.contract import DataContractError, ScoreDataModule
-from src.data.mnist import read_idx
+from src.data.idx_format import read_idx
 from src.data.mnist_images import MNISTImageDataModule
 from tests.conftest import compose_train
 

@@ -15,6 +15,8 @@ import pytest
 import torch
 
 from src.data import download as dl
+from src.data import idx_format as IDX
+from src.data import logit_transforms as LT
 from src.data import mnist as M
 from src.data.contract import DataContractError, ScoreDataModule
 
@@ -37,20 +39,20 @@ def fake_mnist(folder: Path, n_train: int = 60, n_test: int = 40, seed: int = 0)
         "test_labels": torch.randint(0, 10, (n_test,), generator=g, dtype=torch.uint8),
     }
     for key, name in M.FILES.items():
-        M.write_idx(folder / f"{name}.gz", arrays[key])
+        IDX.write_idx(folder / f"{name}.gz", arrays[key])
     return arrays
 
 
 # ------------------------------------------------------------------------------------------ IDX files
 def test_read_idx_on_the_real_files(shared_root):
-    train = M.read_idx(shared_root / "mnist" / "train-images-idx3-ubyte.gz")
+    train = IDX.read_idx(shared_root / "mnist" / "train-images-idx3-ubyte.gz")
     assert train.shape == (60000, 28, 28) and train.dtype == torch.uint8
-    labels = M.read_idx(shared_root / "mnist" / "t10k-labels-idx1-ubyte.gz")
+    labels = IDX.read_idx(shared_root / "mnist" / "t10k-labels-idx1-ubyte.gz")
     assert labels.shape == (10000,)
     # published class counts of the MNIST test set, and the first test digits 7, 2, 1, 0, 4
     assert torch.bincount(labels.long()).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
     assert labels[:5].tolist() == [7, 2, 1, 0, 4]
-    assert M.read_idx(shared_root / "mnist" / "train-labels-idx1-ubyte.gz")[:3].tolist() == [5, 0, 4]
+    assert IDX.read_idx(shared_root / "mnist" / "train-labels-idx1-ubyte.gz")[:3].tolist() == [5, 0, 4]
     assert train.max().item() == 255 and 0.80 < (train[:1000] == 0).float().mean().item() < 0.82
 
 
@@ -58,26 +60,26 @@ def test_read_idx_on_the_real_files(shared_root):
 def test_idx_round_trip_every_type(tmp_path, dtype):
     a = (torch.arange(24).reshape(2, 3, 4) - 5).to(dtype)
     for name in ("a.idx", "a.idx.gz"):
-        back = M.read_idx(M.write_idx(tmp_path / name, a))
+        back = IDX.read_idx(IDX.write_idx(tmp_path / name, a))
         assert back.dtype == dtype and torch.equal(back, a)
 
 
 def test_corrupt_files_are_named_in_the_error(tmp_path):
-    good = M.write_idx(tmp_path / "x.gz", torch.zeros(10, 28, 28, dtype=torch.uint8))
+    good = IDX.write_idx(tmp_path / "x.gz", torch.zeros(10, 28, 28, dtype=torch.uint8))
     truncated_gz = tmp_path / "truncated-idx3-ubyte.gz"
     truncated_gz.write_bytes(good.read_bytes()[:-20])
-    with pytest.raises(M.IDXFormatError, match=r"truncated-idx3-ubyte\.gz: corrupt or truncated gzip"):
-        M.read_idx(truncated_gz)
+    with pytest.raises(IDX.IDXFormatError, match=r"truncated-idx3-ubyte\.gz: corrupt or truncated gzip"):
+        IDX.read_idx(truncated_gz)
 
     short = tmp_path / "short-idx3-ubyte.gz"  # valid gzip, payload shorter than the header says
     short.write_bytes(gzip.compress(gzip.decompress(good.read_bytes())[:-100]))
-    with pytest.raises(M.IDXFormatError, match=r"short-idx3-ubyte\.gz: truncated or corrupt IDX file.*\(10, 28, 28\)"):
-        M.read_idx(short)
+    with pytest.raises(IDX.IDXFormatError, match=r"short-idx3-ubyte\.gz: truncated or corrupt IDX file.*\(10, 28, 28\)"):
+        IDX.read_idx(short)
 
     bad_magic = tmp_path / "html-error-page.gz"
     bad_magic.write_bytes(gzip.compress(b"<html>403 Forbidden</html>"))
-    with pytest.raises(M.IDXFormatError, match=r"html-error-page\.gz: not an IDX file \(magic number 3c68746d"):
-        M.read_idx(bad_magic)
+    with pytest.raises(IDX.IDXFormatError, match=r"html-error-page\.gz: not an IDX file \(magic number 3c68746d"):
+        IDX.read_idx(bad_magic)
 
 
 def test_files_are_found_in_every_layout(tmp_path):
@@ -89,7 +91,7 @@ def test_files_are_found_in_every_layout(tmp_path):
     raw = tmp_path / "raw_root" / "MNIST" / "raw"
     raw.mkdir(parents=True)
     for key, name in M.FILES.items():
-        M.write_idx(raw / name, torch.zeros((4, 28, 28) if "images" in key else (4,), dtype=torch.uint8))
+        IDX.write_idx(raw / name, torch.zeros((4, 28, 28) if "images" in key else (4,), dtype=torch.uint8))
     assert M.load_mnist(tmp_path / "raw_root", download=False)["train_images"].shape == (4, 28, 28)
 
 
@@ -163,10 +165,10 @@ def test_logit_round_trip(squash):
     x64 = torch.rand(1000, 784, generator=g, dtype=torch.float64)
     if squash == "clamp":  # invertible only inside [λ, 1 − λ]
         x64 = 1e-3 + (1 - 2e-3) * x64
-    assert (M.from_logit(M.to_logit(x64, squash=squash), squash=squash) - x64).abs().max().item() < 1e-12
+    assert (LT.from_logit(LT.to_logit(x64, squash=squash), squash=squash) - x64).abs().max().item() < 1e-12
     x32 = x64.float()
-    assert (M.from_logit(M.to_logit(x32, squash=squash), squash=squash) - x32).abs().max().item() < 1e-6
-    y = M.to_logit(torch.tensor([0.0, 1.0], dtype=torch.float64), eps=1e-3, squash=squash)
+    assert (LT.from_logit(LT.to_logit(x32, squash=squash), squash=squash) - x32).abs().max().item() < 1e-6
+    y = LT.to_logit(torch.tensor([0.0, 1.0], dtype=torch.float64), eps=1e-3, squash=squash)
     assert torch.allclose(y, torch.tensor([-math.log(999.0), math.log(999.0)], dtype=torch.float64))
 
 
@@ -174,37 +176,37 @@ def test_logit_round_trip(squash):
 def test_log_det_jacobian_matches_autograd(squash):
     g = torch.Generator().manual_seed(1)
     x = 0.002 + 0.996 * torch.rand(3, 1, 4, 4, generator=g, dtype=torch.float64)  # inside the clamp range
-    ldj = M.logit_log_det_jacobian(x, squash=squash)
+    ldj = LT.logit_log_det_jacobian(x, squash=squash)
     assert ldj.shape == (3,)
     for i in range(3):
-        jac = torch.autograd.functional.jacobian(lambda v: M.to_logit(v, squash=squash).flatten(), x[i].flatten())
+        jac = torch.autograd.functional.jacobian(lambda v: LT.to_logit(v, squash=squash).flatten(), x[i].flatten())
         assert abs(torch.linalg.slogdet(jac)[1].item() - ldj[i].item()) < 1e-10
-    y = M.to_logit(x, squash=squash)
-    assert (M.logit_log_det_jacobian_from_logit(y, squash=squash) - ldj).abs().max().item() < 1e-9
+    y = LT.to_logit(x, squash=squash)
+    assert (LT.logit_log_det_jacobian_from_logit(y, squash=squash) - ldj).abs().max().item() < 1e-9
 
 
 def test_bits_per_dim_of_a_uniform_pixel_model_is_8():
     # a model uniform over [0, 1)^D in pixel space has p_Y(y) = |dx/dy|: bits/dim must be exactly 8
     g = torch.Generator().manual_seed(2)
     v = torch.randint(0, 256, (5, 784), generator=g)
-    x = M.dequantize(v, generator=g).double()
-    y = M.to_logit(x)
-    log_p_y = -M.logit_log_det_jacobian(x)
-    assert (M.bits_per_dim(log_p_y, y) - 8.0).abs().max().item() < 1e-9
+    x = LT.dequantize(v, generator=g).double()
+    y = LT.to_logit(x)
+    log_p_y = -LT.logit_log_det_jacobian(x)
+    assert (LT.bits_per_dim(log_p_y, y) - 8.0).abs().max().item() < 1e-9
 
 
 def test_dequantization_stays_in_the_pixels_bin():
     v = torch.arange(256, dtype=torch.uint8).repeat(40)
-    x = M.dequantize(v, generator=torch.Generator().manual_seed(3))
+    x = LT.dequantize(v, generator=torch.Generator().manual_seed(3))
     assert torch.equal(torch.floor(x * 256).long(), v.long())
     assert abs((x * 256 - v).mean().item() - 0.5) < 0.02  # U(0, 1) offsets: mean ½
-    assert torch.equal(M.dequantize(v, noise=False) * 256, v.float() + 0.5)
+    assert torch.equal(LT.dequantize(v, noise=False) * 256, v.float() + 0.5)
 
 
 # ------------------------------------------------------------------------------------------ datamodule
 def assert_in_bins(y: torch.Tensor, v: torch.Tensor) -> None:
     """Logit-space values y lie in their bytes' bins [v, v + 1)/256 (to float32 round-off)."""
-    offset = M.from_logit(y.double()) * 256 - v.double()
+    offset = LT.from_logit(y.double()) * 256 - v.double()
     assert offset.min().item() > -1e-3 and offset.max().item() < 1 + 1e-3
     assert offset.std().item() > 0.2  # spread over the bin (U(0, 1) has std 0.29), not at its centre
 
@@ -266,7 +268,7 @@ def test_reference_split_and_no_dequantization(tmp_path):
     dm.setup()
     assert [len(dm.split_indices[k]) for k in ("train", "val", "test")] == [54, 6, 40]
     assert torch.equal(dm.split_indices["test"], torch.arange(60, 100))
-    expected = M.to_logit((dm.test_bytes.float() + 0.5) / 256, squash="clamp")
+    expected = LT.to_logit((dm.test_bytes.float() + 0.5) / 256, squash="clamp")
     assert torch.equal(dm.test_data, expected)
     with pytest.raises(ValueError, match="split"):
         M.MNISTDataModule(tmp_path, split=(0.5, 0.6, 0.1))
@@ -294,7 +296,7 @@ def test_logit_module_follows_the_data_contract(tmp_path):
     pix = dm.to_pixels(y64)
     assert pix.dtype == torch.float64 and pix.shape == (4, 1, 28, 28)
     assert torch.equal(torch.floor(pix.flatten(1) * 256).clamp(max=255).long(), dm.val_bytes[:4].long())
-    log_p = -M.logit_log_det_jacobian(M.from_logit(y64))  # uniform pixel model: 8 bits/dim
+    log_p = -LT.logit_log_det_jacobian(LT.from_logit(y64))  # uniform pixel model: 8 bits/dim
     bpd = dm.bits_per_dim(log_p, y64)
     assert bpd.dtype == torch.float64 and (bpd - 8.0).abs().max().item() < 1e-6
     with pytest.raises(DataContractError):

@@ -26,7 +26,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.train import build, train
+from src.runs.build import build
+from src.train import train
 from tests.conftest import FAST, compose_train
 from tests.ddp_probe import load_records, replay_gradients
 from tests.test_infra import run_train

@@ -9,7 +9,8 @@ import warnings
 import pytest
 import torch
 
-from src.train import build
+from src.deq.lookup import blocks_of
+from src.runs.build import build
 from tests.conftest import compose_train
 from tests.test_train import NICE_FAST
 
@@ -35,7 +36,7 @@ def test_rate_is_the_largest_singular_value_of_the_map_jacobian_at_the_training_
     module.on_fit_start()
     module.net.train()
     module.training_objective(x)
-    blocks = dict(module._deq_blocks())
+    blocks = dict(blocks_of(module))
     rates = module.deq_contraction_rates()
     assert len(rates) == len(blocks) >= 2 and set(rates) == set(blocks)
     for name, block in blocks.items():
@@ -68,7 +69,7 @@ def test_phantom_truncation_warns_only_where_the_loss_differentiates_through_the
     """ρᴷ/(1 − ρ) > 5 % warns for a score-matching loss with the phantom backward; MLE (unit-determinant
     couplings: no derivative through the DEQ), the implicit backward and a small bound do not."""
     module = nice_module(shared_data, tmp_path, "loss=ssm", "deq.phantom_steps=2")
-    block = module._deq_blocks()[-1][1]
+    block = blocks_of(module)[-1][1]
     with pytest.warns(RuntimeWarning, match="deq.backward=implicit") as caught:
         assert module.check_phantom_truncation(0.383, block) == pytest.approx(0.383**2 / 0.617)
     assert f"'{block.name}'" in str(caught[0].message) and "K = 2" in str(caught[0].message)
@@ -77,9 +78,9 @@ def test_phantom_truncation_warns_only_where_the_loss_differentiates_through_the
         warnings.simplefilter("error")
         assert module.check_phantom_truncation(0.1, block) == pytest.approx(0.01 / 0.9)
         mle = nice_module(shared_data, tmp_path, "loss=mle", "deq.phantom_steps=2")
-        assert mle.check_phantom_truncation(0.9, mle._deq_blocks()[-1][1]) is None
+        assert mle.check_phantom_truncation(0.9, blocks_of(mle)[-1][1]) is None
         implicit = nice_module(shared_data, tmp_path, "loss=ssm", "deq.backward=implicit")
-        assert implicit.check_phantom_truncation(0.9, implicit._deq_blocks()[-1][1]) is None
+        assert implicit.check_phantom_truncation(0.9, blocks_of(implicit)[-1][1]) is None
 
 
 @pytest.mark.parametrize("family, loss, through", [("nice", "ssm", True), ("nice", "dsm", True), ("nice", "mle", False),

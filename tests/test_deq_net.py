@@ -14,7 +14,9 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from src.models.deq_net import DEQNet, DEQNetFactory, resolve_depth, resolve_injection
+from src.config.deq import resolve_depth, resolve_injection
+from src.deq.config import DEQConfig
+from src.models.deq_net import DEQNet, DEQNetFactory
 from src.models.features import MLPFeatures, build_feature_net
 from src.models.nice import deq_coupling_factory, mlp
 from tests.conftest import compose_train
@@ -94,17 +96,18 @@ def test_config_defaults_per_family_and_deq_false_ignores_the_key():
 
 
 def test_resolve_depth_and_injection():
-    assert [resolve_depth("dkef", None, False), resolve_depth("dkef", None, True)] == [3, 1]
-    assert [resolve_depth("nice", None, False), resolve_depth("nice", None, True)] == [5, 1]
-    assert resolve_depth("nice", 2, True) == 2
+    deq = DEQConfig()
+    assert [resolve_depth("dkef", None, None), resolve_depth("dkef", None, deq)] == [3, 1]
+    assert [resolve_depth("nice", None, None), resolve_depth("nice", None, deq)] == [5, 1]
+    assert resolve_depth("nice", 2, deq) == 2
     for bad in (0, -1, 1.5, True, "3"):
         with pytest.raises(ValueError, match="depth"):
-            resolve_depth("dkef", bad, False)
+            resolve_depth("dkef", bad, None)
     assert resolve_injection("nice", None) == "linear" and resolve_injection("dkef", "softplus") == "softplus"
     with pytest.raises(ValueError, match="injection"):
         resolve_injection("nice", "tanh")
     with pytest.raises(ValueError, match="family"):
-        resolve_depth("vae", None, True)
+        resolve_depth("gan", None, deq)
 
 
 def test_factory_pickles_and_names_blocks():

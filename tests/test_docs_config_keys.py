@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-import src  # noqa: F401  (installs src.hydra_compat: deq=true as a group choice, as every entry point does)
+import src  # noqa: F401  (installs src.config.hydra_patch: deq=true as a group choice, as every entry point does)
 from tests.conftest import CONF_DIR, compose_train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -93,7 +93,7 @@ def test_ema_on_tests_the_average_of_the_steps(tmp_path, one_thread, checkpoints
         ema_state = [v for k, v in ckpt["callbacks"].items() if k.startswith("EMA")]
         assert ema_state == [{"latest_update_step": step}]
         # re-evaluating the checkpoint (a fresh Trainer, no callbacks) sees the same averaged weights
-        from src.evaluate import evaluate
+        from src.runs.evaluation import evaluate
 
         ev = evaluate(metrics["tested_checkpoint"])
         for key in ("test/sm_loss", "test/log_likelihood"):

@@ -133,7 +133,7 @@ def test_command_line_run_states_its_preset(tmp_path):
 
 
 def test_exact_sm_backward_budget_sizes_points_by_dimension():
-    from src.metrics.evaluation import ExactSMLoss
+    from src.metrics.exact_sm import ExactSMLoss
 
     m = ExactSMLoss(val_points=32, test_points=256, backward_budget=4096)
     assert (m.points("val", 784), m.points("test", 784)) == (5, 5)       # NICE on MNIST: 4096 // 784

@@ -152,7 +152,7 @@ def test_fid_metric_reports_the_same_fid_with_and_without_its_bootstrap(one_thre
     feature network once): the same test/fid as the streamed torchmetrics sums, for the same samples."""
     from types import SimpleNamespace
 
-    from src.metrics.evaluation import FID
+    from src.metrics.fid import FID
 
     gen = torch.Generator().manual_seed(0)
     real_images = torch.rand(60, 1, 28, 28, generator=gen)

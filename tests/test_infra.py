@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.checkpoints import CheckpointError, check_checkpoint
+from src.runs.checkpoints import CheckpointError, check_checkpoint
 from tests.conftest import FAST, REPO_ROOT
 
 # A tiny DEQ-DKEF run: a few epochs of a few steps each, checkpoint every epoch.
@@ -82,7 +82,7 @@ def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     assert mb["profile/train_time_s"] > interrupted_time
 
     # re-evaluating the finished run from its checkpoint reproduces its test metrics
-    from src.evaluate import evaluate
+    from src.runs.evaluation import evaluate
 
     tested = ma["tested_checkpoint"]
     ev = evaluate(tested)
@@ -117,7 +117,7 @@ def test_ddp_two_cpu_processes_end_identical(tmp_path):
     assert all(k in metrics for k in ("test/sm_loss", "test/log_likelihood"))
     # the test phase ran sharded over the 2 ranks (16 of the 32 test points each) and was reduced with
     # torchmetrics: it equals one process testing the same checkpoint on the whole split
-    from src.evaluate import evaluate
+    from src.runs.evaluation import evaluate
 
     single = evaluate(metrics["tested_checkpoint"])
     for key in ("test/sm_loss", "test/log_likelihood", "test/fisher_divergence"):

@@ -51,7 +51,7 @@ def test_nice_float64_end_to_end(tmp_path, shared_data, deq):
 
 
 def test_evaluate_keeps_the_runs_precision(tmp_path):
-    from src.evaluate import evaluate
+    from src.runs.evaluation import evaluate
 
     cfg = compose_train([*FAST, "deq=false", "depth=2", "++trainer.precision=64-true", "trainer.max_epochs=1",
                          "callbacks=default", "callbacks.progress_bar=null", "trainer.enable_progress_bar=false"],
@@ -87,7 +87,7 @@ def test_noise_conditional_losses_match_closed_forms():
 
 
 def test_exact_sm_refuses_high_dimensions():
-    from src.metrics.evaluation import ExactSMLoss
+    from src.metrics.exact_sm import ExactSMLoss
 
     class Images:
         data_dim = 3072
@@ -98,7 +98,7 @@ def test_exact_sm_refuses_high_dimensions():
 
 
 def test_unknown_metric_and_bad_options_are_named():
-    from src.metrics.evaluation import build_metrics
+    from src.metrics.registry import build_metrics
 
     with pytest.raises(ValueError, match="model.metrics.bogus is not a metric"):
         build_metrics({"bogus": {}})
@@ -204,7 +204,7 @@ def test_optimized_metric_defaults_to_the_familys_monitor():
 def test_log_likelihood_metric_reports_mean_and_stderr_over_test_points():
     """``test/<name>_stderr`` is the standard error over test points, accumulated over batches: the unbiased
     standard deviation of all per-point values / √n (what a paired or unpaired comparison of runs needs)."""
-    from src.metrics.evaluation import LogLikelihood
+    from src.metrics.log_likelihood import LogLikelihood
 
     values = torch.tensor([-3.0, -1.0, -4.0, -1.5, -9.0, -2.5, -6.0], dtype=torch.float64)
 

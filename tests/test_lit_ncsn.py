@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from src.deq.block import phantom_truncation
-from src.train import build, train
+from src.runs.build import build
+from src.train import train
 from tests.conftest import REPO_ROOT, compose_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -175,7 +176,7 @@ def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_pa
     assert math.isfinite(saved["best/val/dsm_loss"])
 
     # src.evaluate re-tests the same share of the test set (the run's limit_test_batches): the same losses
-    from src.evaluate import evaluate
+    from src.runs.evaluation import evaluate
 
     # (a checkpoint kept in another sub-folder of the run, as benchmarks/training_curves.py keeps them: the
     # results still go to the run directory)
@@ -187,7 +188,7 @@ def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_pa
         assert again_metrics[key] == pytest.approx(saved[key], rel=1e-5), key
     assert (run / "eval_metrics.json").is_file() and not (run / "kept" / "eval_metrics.json").exists()
 
-    from src.sample import sample_from_checkpoint
+    from src.runs.sampling import sample_from_checkpoint
 
     out = sample_from_checkpoint(run / "checkpoints" / "last.ckpt", n=5, seed=3, out=tmp_path / "s.png",
                                  overrides=[f"data.root={shared_data}"])

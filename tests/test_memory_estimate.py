@@ -1,4 +1,4 @@
-"""The memory estimate before the first step (src/memory_estimate.py): probe steps leave the model as they found
+"""The memory estimate before the first step (src/callbacks/memory_estimate.py): probe steps leave the model as they found
 it, their saved bytes extrapolate to a real step's, and a step that will not fit is warned about with the keys."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import types
 import pytest
 import torch
 
-from src import memory_estimate as me
+from src.callbacks import memory_estimate as me
 from src.callbacks.profiling import SavedTensorsMeter
-from src.train import build
+from src.runs.build import build
 from tests.conftest import FAST, compose_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -55,7 +55,7 @@ def test_warns_with_the_keys_to_lower_when_a_step_will_not_fit(dkef, monkeypatch
     trainer = types.SimpleNamespace(global_step=0, is_global_zero=True, world_size=1)
     monkeypatch.setattr(me, "free_bytes", lambda device: 1024)  # a machine with 1 kB free
     cb = me.MemoryEstimate(16, cfg.model, cfg.deq)
-    with caplog.at_level(logging.INFO, logger="src.memory_estimate"):
+    with caplog.at_level(logging.INFO, logger="src.callbacks.memory_estimate"):
         cb.on_fit_start(trainer, module)
     assert cb.result is not None and cb.result["step_bytes"] > 1024
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
@@ -64,6 +64,6 @@ def test_warns_with_the_keys_to_lower_when_a_step_will_not_fit(dkef, monkeypatch
                                "deq.backward=implicit or fewer deq.phantom_steps (now 2).")
     monkeypatch.setattr(me, "free_bytes", lambda device: 1 << 50)
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="src.memory_estimate"):
+    with caplog.at_level(logging.INFO, logger="src.callbacks.memory_estimate"):
         cb.on_fit_start(trainer, module)
     assert [r.levelno for r in caplog.records] == [logging.INFO]  # the figure, no warning

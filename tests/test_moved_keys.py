@@ -13,9 +13,9 @@ import torch
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf, open_dict
 
-import src  # noqa: F401  (installs src.hydra_compat, as every entry point does)
-from src.evaluate import run_of_checkpoint
-from src.train import build
+import src  # noqa: F401  (installs src.config.hydra_patch, as every entry point does)
+from src.runs.build import build
+from src.runs.load import run_of_checkpoint
 from tests.conftest import FAST, REPO_ROOT, compose_train
 
 

@@ -1,4 +1,4 @@
-"""The shared reporting library (src/reporting.py) and the sweep report built on it (src/report.py)."""
+"""The shared reporting library (src/reports/tables.py) and the sweep report built on it (src/report.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 import yaml
 
 from src import report
-from src.reporting import (
+from src.reports.tables import (
     figure,
     format_summary,
     group_rows,
@@ -90,7 +90,7 @@ def test_labelled_checkpoint_splits_at_the_last_equals_sign():
 
     import pytest
 
-    from src.reporting import labelled_checkpoint
+    from src.reports.tables import labelled_checkpoint
 
     assert labelled_checkpoint("trained with K=2=runs/a/step_0000600.ckpt") == ("trained with K=2",
                                                                                "runs/a/step_0000600.ckpt")
@@ -100,7 +100,7 @@ def test_labelled_checkpoint_splits_at_the_last_equals_sign():
 
 
 def test_result_files_are_written_atomically_merged_and_rerendered(tmp_path):
-    from src.reporting import load_results, rerender, write_results
+    from src.reports.tables import load_results, rerender, write_results
 
     def render(res):
         return "\n".join(f"| {k} | {v['x']:.1f} |" for k, v in res.items()) + "\n"

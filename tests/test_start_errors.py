@@ -11,7 +11,8 @@ import sys
 import pytest
 import yaml
 
-from src.train import OptimizedMetricNotLogged, build, optimized_value
+from src.runs.build import build
+from src.train import OptimizedMetricNotLogged, optimized_value
 from tests.conftest import FAST, REPO_ROOT, compose_train
 
 

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from src.config.deq import resolve_depth
+from src.deq.config import DEQConfig
 from src.models.vae import (
     ConditionalScore,
     Decoder,
@@ -17,7 +19,6 @@ from src.models.vae import (
     ScoreEstimator,
     entropy_surrogate,
     prior_log_prob,
-    resolve_vae_depth,
     surrogate_negative_elbo,
 )
 from src.objectives.ssm import ssm
@@ -130,10 +131,11 @@ def test_shapes_of_every_variant(shape, arch, depth, deq):
 
 
 def test_depth_rules():
-    assert resolve_vae_depth(None, False) == 0 and resolve_vae_depth(16, False) == 16
-    assert resolve_vae_depth(None, True) == 1
+    deq = DEQConfig()
+    assert resolve_depth("vae", None, None) == 0 and resolve_depth("vae", 16, None) == 16
+    assert resolve_depth("vae", None, deq) == 1
     with pytest.raises(ValueError, match="one layer inside f"):
-        resolve_vae_depth(8, True)
+        resolve_depth("vae", 8, deq)
     with pytest.raises(ValueError, match="linear"):
         ScoreEstimator((1, 8, 8), 3, arch="conv", deq={"enabled": True, "injection": "softplus"})
 

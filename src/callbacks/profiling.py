@@ -26,6 +26,8 @@ from statistics import mean
 import lightning.pytorch as L
 import torch
 
+from src.deq.lookup import blocks_of
+
 
 def _storage_key(t: torch.Tensor):
     try:
@@ -119,9 +121,7 @@ class ProfilingCallback(L.Callback):
             self._deq_calls.append(dict(stats))
 
     def on_fit_start(self, trainer, pl_module):
-        self._hooks = [
-            m.register_forward_hook(self._deq_hook) for m in pl_module.modules() if hasattr(m, "last_stats")
-        ]
+        self._hooks = [m.register_forward_hook(self._deq_hook) for _, m in blocks_of(pl_module)]
 
     def on_fit_end(self, trainer, pl_module):
         for h in self._hooks:

@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from src.runtime import atomic_file
+from src.runs.atomic import atomic_file
 
 log = logging.getLogger(__name__)
 

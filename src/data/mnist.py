@@ -1,61 +1,35 @@
-"""MNIST for the NICE experiment (paper §4.3): IDX reader, download, transforms, LightningDataModule.
+"""MNIST for the NICE experiment (paper §4.3): download and LightningDataModule.
 
 No torchvision: the four original IDX files are read directly. They are looked for in ``<root>/mnist/``,
 ``<root>/MNIST/raw/`` (torchvision's layout) and ``<root>/``, gzipped or not. When missing and
 ``download=True`` the downloader of :mod:`src.data.download` fetches them (torchvision's mirror first,
 then yann.lecun.com), md5-checked, into ``<root>/mnist/`` atomically.
 
-Transforms (pure functions, any tensor shape)
----------------------------------------------
-Let v ∈ {0, …, 255}^D be the bytes of an image (D = 784), λ = ``logit_eps``.
-
-1. Uniform dequantisation (paper: "uniform noise in [−1/512, 1/512]" around the bin centre):
-       x = (v + u) / 256,  u ~ U(0, 1)^D   ⇔   x = (v + ½)/256 + U(−1/512, 1/512)
-   so x ∈ [0, 1) and x lies in v's bin [v/256, (v+1)/256). Without dequantisation: x = (v + ½)/256.
-2. Squash into [λ, 1 − λ], then logit:  y = logit(x'),  logit(p) = log p − log(1 − p), with
-       ``squash="affine"`` (default): x' = λ + (1 − 2λ) x     — a smooth bijection of [0, 1] onto [λ, 1 − λ];
-       ``squash="clamp"`` (reference code): x' = clamp(x, λ, 1 − λ).
-   Clamping maps every x < λ (a quarter of the zero pixels, ~20 % of all MNIST pixels, for λ = 1e-3) to the
-   same value: the data get a point mass, which an exact-likelihood model can exploit without bound, and
-   the map has no Jacobian there. The affine squash keeps the density well defined; ``"clamp"`` is kept to
-   reproduce the reference preprocessing.
-
-Densities and bits/dim (every Jacobian included)
-------------------------------------------------
-A model gives log p_Y(y) in logit space. With u = v + noise ∈ [0, 256)^D and x = u/256:
-
-    log p_X(x) = log p_Y(y) + Σ_i log |dy_i/dx_i|,
-        log |dy_i/dx_i| = log(1 − 2λ) − log x'_i − log(1 − x'_i)      (affine; the log(1 − 2λ) term is
-                                                                          absent for "clamp", whose
-                                                                          clamped entries are ignored)
-                        = log(1 − 2λ) + softplus(y_i) + softplus(−y_i)    (the same, from y)
-    log p_U(u) = log p_X(x) − D log 256
-    bits/dim   = −log p_U(u) / (D ln 2)
-
-Averaged over the dequantisation noise this is an upper bound on the discrete model's bits/dim (Theis et
-al. 2016). :func:`logit_log_det_jacobian` (from x) and :func:`bits_per_dim` (from y) implement it.
-The reference code and the paper report log p_Y (logit space, no Jacobians): that is ``log_likelihood``
-of the model on the batches of :class:`MNISTDataModule`, a :class:`~src.data.contract.ScoreDataModule`
-with ``is_image`` and ``has_bits_per_dim``. The images themselves, as ``[B, 1, 28, 28]`` batches for image
-score models, are :mod:`src.data.mnist_images`.
+The IDX reader is :mod:`src.data.idx_format`; the dequantisation and logit transforms, with the densities
+and bits/dim they imply, are :mod:`src.data.logit_transforms`.
 """
 
 from __future__ import annotations
 
-import gzip
-import math
 import os
-import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from src.data.contract import ScoreDataModule, check_split
 from src.data.download import RemoteFile, ensure_file
-from src.data.resumable import KeyedItems, ResumableLoader, ResumableSampler, eval_generator, item_generator
+from src.data.idx_format import IDXFormatError, read_idx
+from src.data.logit_transforms import (
+    DequantizeLogit,
+    bits_per_dim,
+    check_squash,
+    dequantize,
+    from_logit,
+    to_logit,
+)
+from src.data.resumable import KeyedItems, ResumableLoader, ResumableSampler, eval_generator
 
 # ---------------------------------------------------------------------------------------------- files
 FILES = {
@@ -74,66 +48,6 @@ MIRRORS = (
     "https://ossci-datasets.s3.amazonaws.com/mnist/",  # torchvision's mirror
     "http://yann.lecun.com/exdb/mnist/",  # the original
 )
-
-# IDX type codes -> big-endian numpy dtypes
-_IDX_DTYPES = {0x08: ">u1", 0x09: ">i1", 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f4", 0x0E: ">f8"}
-_IDX_CODES = {np.dtype(v).newbyteorder("=").str: k for k, v in _IDX_DTYPES.items()}
-
-
-class IDXFormatError(ValueError):
-    """An IDX file that is not one, or is truncated/corrupt (the message names the file)."""
-
-
-def read_idx(path: str | os.PathLike) -> torch.Tensor:
-    """Read an IDX file (gzipped or raw, detected from the content) into a tensor of its shape and type.
-
-    Raises :class:`IDXFormatError` naming the file when it is not valid gzip, its magic number is wrong, or
-    its payload does not match the header's dimensions.
-    """
-    path = Path(path)
-    try:
-        raw = path.read_bytes()
-        data = gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw
-    except (EOFError, zlib.error, gzip.BadGzipFile) as exc:
-        raise IDXFormatError(
-            f"{path}: corrupt or truncated gzip file ({exc}). Delete it and download it again "
-            "(or copy a verified one)."
-        ) from exc
-    if len(data) < 4 or data[0] != 0 or data[1] != 0 or data[2] not in _IDX_DTYPES or data[3] < 1:
-        raise IDXFormatError(
-            f"{path}: not an IDX file (magic number {data[:4].hex() or 'missing'}; expected 0000 followed by "
-            "a type code in {08,09,0b,0c,0d,0e} and the number of dimensions). Delete it and download it again."
-        )
-    dtype = np.dtype(_IDX_DTYPES[data[2]])
-    ndim = data[3]
-    header = 4 + 4 * ndim
-    if len(data) < header:
-        raise IDXFormatError(f"{path}: truncated IDX file: the header of {ndim} dimensions is incomplete.")
-    dims = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
-    expected = int(np.prod(dims, dtype=np.int64)) * dtype.itemsize
-    found = len(data) - header
-    if found != expected:
-        raise IDXFormatError(
-            f"{path}: truncated or corrupt IDX file: the header says shape {dims} ({expected} bytes of "
-            f"{dtype.name}), the file holds {found}. Delete it and download it again."
-        )
-    array = np.frombuffer(data, dtype=dtype, offset=header).reshape(dims)
-    return torch.from_numpy(array.astype(dtype.newbyteorder("="), copy=True))
-
-
-def write_idx(path: str | os.PathLike, tensor: torch.Tensor | np.ndarray, compress: bool | None = None) -> Path:
-    """Write an array as an IDX file (gzipped when ``compress`` or the name ends in ``.gz``)."""
-    path = Path(path)
-    array = np.ascontiguousarray(tensor.numpy() if isinstance(tensor, torch.Tensor) else tensor)
-    code = _IDX_CODES.get(array.dtype.newbyteorder("=").str)
-    if code is None:
-        raise ValueError(f"IDX cannot store dtype {array.dtype}")
-    body = (bytes([0, 0, code, array.ndim]) + np.asarray(array.shape, dtype=">u4").tobytes()
-            + array.astype(_IDX_DTYPES[code]).tobytes())
-    if compress if compress is not None else path.suffix == ".gz":
-        body = gzip.compress(body, compresslevel=1)
-    path.write_bytes(body)
-    return path
 
 
 SUBDIR, EXTRA_DIRS = "mnist", ("MNIST/raw",)
@@ -170,80 +84,6 @@ def load_mnist(root: str | os.PathLike, download: bool = True) -> dict[str, torc
     return arrays
 
 
-# ----------------------------------------------------------------------------------------- transforms
-SQUASH_MODES = ("affine", "clamp")
-
-
-def _check_squash(squash: str, eps: float) -> None:
-    if squash not in SQUASH_MODES:
-        raise ValueError(f"squash must be one of {SQUASH_MODES}, got {squash!r}")
-    if not 0.0 < eps < 0.5:
-        raise ValueError(f"logit_eps must be in (0, 0.5), got {eps}")
-
-
-def dequantize(v: torch.Tensor, generator: torch.Generator | None = None, noise: bool = True) -> torch.Tensor:
-    """Bytes v ∈ {0..255} → x = (v + u)/256 with u ~ U(0, 1) (``noise=False``: u = ½), float32 (float64 stays)."""
-    dtype = torch.float64 if v.dtype == torch.float64 else torch.float32
-    v = v.to(dtype)
-    if not noise:
-        return (v + 0.5) / 256.0
-    if generator is not None and generator.device != v.device:
-        u = torch.rand(v.shape, generator=generator, device=generator.device, dtype=dtype).to(v.device)
-    else:
-        u = torch.rand(v.shape, generator=generator, device=v.device, dtype=dtype)
-    return (v + u) / 256.0
-
-
-def squash_unit(x: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
-    """x ∈ [0, 1] → x' ∈ [λ, 1 − λ] (affine map or clamp)."""
-    _check_squash(squash, eps)
-    if squash == "affine":
-        return eps + (1.0 - 2.0 * eps) * x
-    return x.clamp(eps, 1.0 - eps)
-
-
-def to_logit(x: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
-    """Pixels x ∈ [0, 1] → y = logit(x'), x' = squash(x) ∈ [λ, 1 − λ]."""
-    p = squash_unit(x, eps, squash)
-    return torch.log(p) - torch.log1p(-p)
-
-
-def from_logit(y: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
-    """Inverse of :func:`to_logit` (for "clamp": inverse on [λ, 1 − λ], i.e. returns sigmoid(y))."""
-    _check_squash(squash, eps)
-    p = torch.sigmoid(y)
-    return (p - eps) / (1.0 - 2.0 * eps) if squash == "affine" else p
-
-
-def logit_log_det_jacobian(x: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
-    """Σ_i log |dy_i/dx_i| of :func:`to_logit` at pixels x, summed over all but the first dim → ``[B]``.
-
-    affine: Σ log(1 − 2λ) − log x' − log(1 − x');  clamp: Σ −log x' − log(1 − x') (the clamp is ignored).
-    """
-    p = squash_unit(x, eps, squash)
-    per_entry = -torch.log(p) - torch.log1p(-p)
-    if squash == "affine":
-        per_entry = per_entry + math.log1p(-2.0 * eps)
-    return per_entry.flatten(1).sum(dim=1)
-
-
-def logit_log_det_jacobian_from_logit(y: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
-    """The same as :func:`logit_log_det_jacobian`, from y = to_logit(x): Σ softplus(y) + softplus(−y) (+ log(1 − 2λ))."""
-    _check_squash(squash, eps)
-    per_entry = torch.nn.functional.softplus(y) + torch.nn.functional.softplus(-y)
-    if squash == "affine":
-        per_entry = per_entry + math.log1p(-2.0 * eps)
-    return per_entry.flatten(1).sum(dim=1)
-
-
-def bits_per_dim(log_p_logit: torch.Tensor, y: torch.Tensor, eps: float = 1e-3, squash: str = "affine") -> torch.Tensor:
-    """Bits/dim in the 8-bit pixel space from log p_Y(y) ``[B]`` in logit space (module docstring formula)."""
-    d = y[0].numel()
-    log_p_x = log_p_logit + logit_log_det_jacobian_from_logit(y, eps, squash)
-    log_p_u = log_p_x - d * math.log(256.0)
-    return -log_p_u / (d * math.log(2.0))
-
-
 # --------------------------------------------------------------------------------------- datamodule
 class _Rows(Dataset):
     def __init__(self, data: torch.Tensor):
@@ -254,31 +94,6 @@ class _Rows(Dataset):
 
     def __getitem__(self, i):
         return self.data[i]
-
-
-class DequantizeLogit:
-    """Collate for training: uint8 rows, fresh uniform noise, squash, logit → float32 [B, 784].
-
-    Picklable (DataLoader workers, DDP). A batch ``(rows, keys)`` of the resumable loader draws row i's noise
-    from :func:`src.data.resumable.item_generator` (``seed``, key i): the same noise whatever the workers,
-    the global RNG or an interruption. Plain rows (a list or a tensor) draw from the global torch RNG.
-    """
-
-    def __init__(self, dequantize: bool = True, eps: float = 1e-3, squash: str = "affine", seed: int = 0):
-        _check_squash(squash, eps)
-        self.dequantize = bool(dequantize)
-        self.eps = float(eps)
-        self.squash = squash
-        self.seed = int(seed)
-
-    def __call__(self, rows) -> torch.Tensor:
-        if isinstance(rows, tuple) and len(rows) == 2 and torch.is_tensor(rows[1]):
-            v, keys = rows
-            x = torch.stack([dequantize(r, generator=item_generator(self.seed, int(k)), noise=self.dequantize)
-                             for r, k in zip(v, keys.tolist())]) if len(v) else v.float()
-            return to_logit(x, self.eps, self.squash)
-        v = torch.stack(rows) if isinstance(rows, (list, tuple)) else rows
-        return to_logit(dequantize(v, noise=self.dequantize), self.eps, self.squash)
 
 
 class MNISTDataModule(ScoreDataModule):
@@ -324,7 +139,7 @@ class MNISTDataModule(ScoreDataModule):
         super().__init__()
         if int(dim) != 784:
             raise ValueError(f"MNIST images have 784 pixels; data.dim={dim} does not match (leave it at 784)")
-        _check_squash(squash, logit_eps)
+        check_squash(squash, logit_eps)
         if isinstance(split, str):
             if split != "reference":
                 raise ValueError(f"split must be three fractions or 'reference', got {split!r}")

@@ -18,8 +18,9 @@ from collections.abc import Mapping
 
 import torch
 
-from src.lit.base import ScoreMatchingModule, as_plain
-from src.metrics.evaluation import metric_options
+from src.config.values import plain
+from src.lit.base import ScoreMatchingModule
+from src.metrics.registry import metric_options
 from src.models.dkef import ALPHA_FIT_MODES, DKEF
 from src.objectives.base import ObjectiveOutput
 
@@ -54,7 +55,7 @@ class DKEFLitModule(ScoreMatchingModule):
     ):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
         loss, deq, optimizer, metrics, final_refit = (
-            as_plain(c) for c in (loss, deq, optimizer, metrics, final_refit))
+            plain(c) for c in (loss, deq, optimizer, metrics, final_refit))
         if loss and loss.get("name") == "mle":
             raise ValueError(
                 "loss=mle needs a model with a tractable likelihood (model=nice); DKEF's normaliser is "

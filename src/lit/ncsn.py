@@ -11,7 +11,7 @@ base module's phantom-truncation warning for SSM-VR / SSM. Test: the ``noise_con
 (σ²-weighted DSM and SSM-VR losses per level and overall), ``fid`` (samples from
 :meth:`NCSNLitModule.sample`, EMA weights when EMA is on), and for a DEQ network ``test/deq_contraction_rate``
 (‖∂f/∂z‖₂ at the fixed point, one test image per noise level) and ``test/deq_forward_iterations``. Samples:
-annealed Langevin dynamics (:mod:`src.sampling`) from uniform noise; ``samples.png`` at the end of the test.
+annealed Langevin dynamics (:mod:`src.samplers.annealed_langevin`) from uniform noise; ``samples.png`` at the end of the test.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from src import progress
-from src.lit.base import ScoreMatchingModule, as_plain, batch_tensor
-from src.metrics.evaluation import seeded_rng
+from src.config.values import plain
+from src.deq.lookup import blocks_of
+from src.lit.base import ScoreMatchingModule, batch_tensor
 from src.models.ncsn import NCSN, geometric_sigmas
 from src.objectives.conditional import noise_conditional
 from src.objectives.registry import get_objective
-from src.sampling import annealed_langevin
+from src.runs import progress
+from src.runs.rng import seeded_rng
+from src.samplers.annealed_langevin import annealed_langevin
 
 TRAIN_LOSSES = ("dsm", "ssm_vr", "ssm")
 SAMPLING_DEFAULTS = {"n_steps_each": 100, "step_lr": 2e-5, "denoise": False}
@@ -60,7 +62,7 @@ class NCSNLitModule(ScoreMatchingModule):
         monitor_mode: str | None = "min",
     ):
         loss, deq, noise, sampling, optimizer, metrics = (
-            as_plain(c) for c in (loss, deq, noise, sampling, optimizer, metrics))
+            plain(c) for c in (loss, deq, noise, sampling, optimizer, metrics))
         super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
                          loss=loss)
         self.save_hyperparameters()
@@ -101,7 +103,7 @@ class NCSNLitModule(ScoreMatchingModule):
     def deq_contraction_rates(self) -> dict[str, float]:
         """The DEQ map's contraction rate on the first ``VAL_CONTRACTION_POINTS`` validation images perturbed at
         every noise level (seeded, so the same each validation; what ``val/deq_contraction_rate`` logs)."""
-        blocks = self._deq_blocks()
+        blocks = blocks_of(self)
         if not blocks:
             return {}
         rate, _ = self.deq_contraction(self.split_tensor("val", VAL_CONTRACTION_POINTS))
@@ -144,7 +146,7 @@ class NCSNLitModule(ScoreMatchingModule):
     # ------------------------------------------------------------------ samples
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Annealed Langevin dynamics (``model.sampling``) from uniform noise on the pixel range, shown as a
-        progress task of levels × steps (:mod:`src.progress`; silent without a progress bar)."""
+        progress task of levels × steps (:mod:`src.runs.progress`; silent without a progress bar)."""
         x0 = torch.rand((n, *self.data_shape), generator=generator, device=self.device, dtype=self.dtype)
         if self.pixel_range == "symmetric":
             x0 = 2 * x0 - 1

@@ -12,9 +12,10 @@ from collections.abc import Mapping
 
 import torch
 
-from src.lit.base import ScoreMatchingModule, as_plain
-from src.metrics.evaluation import metric_options
-from src.models.deq_net import resolve_depth
+from src.config.deq import deq_setting, resolve_depth
+from src.config.values import plain
+from src.lit.base import ScoreMatchingModule
+from src.metrics.registry import metric_options
 from src.models.nice import NICE, deq_coupling_factory
 
 
@@ -33,15 +34,14 @@ class NICELitModule(ScoreMatchingModule):
         n_samples_grid: int = 64,
     ):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
-        loss, deq, optimizer, metrics = (as_plain(c) for c in (loss, deq, optimizer, metrics))
+        loss, deq, optimizer, metrics = (plain(c) for c in (loss, deq, optimizer, metrics))
         super().__init__(loss=loss, optimizer=optimizer, metrics=metrics)
         self.save_hyperparameters()
         metric_options(metrics, "log_likelihood", {})  # the exact likelihood takes no options: refuse any
-        deq = deq or {}
-        enabled = bool(deq.get("enabled", False))
-        depth = resolve_depth("nice", depth, enabled)
-        if enabled:
-            factory = deq_coupling_factory(deq_width, deq, n_layers=depth)
+        setting = deq_setting(deq)
+        depth = resolve_depth("nice", depth, setting)
+        if setting is not None:
+            factory = deq_coupling_factory(deq_width, setting, n_layers=depth)
             self.net = NICE(input_dim, n_couplings=n_couplings, coupling_net=factory)
         else:
             self.net = NICE(input_dim, n_couplings=n_couplings, hidden=hidden, mlp_layers=depth)

@@ -16,8 +16,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from src.lit.base import DeqsmModule, as_plain
-from src.models.supervised import DiagonalLinearDEQ, build_supervised_net, deq_blocks, forward_flops
+from src.config.values import plain
+from src.deq.lookup import blocks_of
+from src.lit.base import DeqsmModule
+from src.models.supervised import DiagonalLinearDEQ, build_supervised_net, forward_flops
 
 LOSSES = ("mse", "half_sse")
 
@@ -32,10 +34,10 @@ class SupervisedLitModule(DeqsmModule):
                  activation: str = "relu", bias: bool = True, beta0: float = 1.0, alpha: float = 0.1,
                  construction: str | None = None, loss: str = "mse", optimizer: Mapping | None = None,
                  analysis: str | None = None, analysis_kwargs: Mapping | None = None):
-        super().__init__(optimizer=as_plain(optimizer))
+        super().__init__(optimizer=plain(optimizer))
         if loss not in LOSSES:
             raise ValueError(f"model.loss={loss!r} is unknown; valid: {', '.join(LOSSES)}")
-        deq = as_plain(deq)
+        deq = plain(deq)
         self.save_hyperparameters()
         self.net = build_supervised_net(int(input_dim), int(output_dim), arch=arch, deq=deq, depth=depth,
                                         width=width, hidden=hidden, match=match, activation=activation, bias=bias,
@@ -51,7 +53,7 @@ class SupervisedLitModule(DeqsmModule):
             raise ValueError(f"model.construction={construction!r} is unknown; valid: theorem1, none")
         self.loss_name = loss
         self.analysis = analysis
-        self.analysis_kwargs = dict(as_plain(analysis_kwargs) or {})
+        self.analysis_kwargs = dict(plain(analysis_kwargs) or {})
         self.gd_v: torch.Tensor | None = None  # Σ lr·r_k along full-batch GD (Theorem 3's v(t))
         self._test: list = []
         self._iters: list[float] = []
@@ -113,7 +115,7 @@ class SupervisedLitModule(DeqsmModule):
         x, y = batch
         with torch.no_grad():
             pred = self.net(x)
-        for b in deq_blocks(self.net):
+        for _, b in blocks_of(self.net):
             self._iters.append(float(b.last_stats.get("iterations", 0)))
         self._test.append((x.cpu(), y.cpu(), pred.cpu()))
 

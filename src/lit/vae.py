@@ -22,13 +22,14 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-import src.metrics.vae  # noqa: F401  registers model.metrics.vae
-from src import progress
-from src.lit.base import DeqsmModule, as_plain, batch_tensor
+from src.config.values import plain
+from src.lit.base import DeqsmModule, batch_tensor
 from src.metrics.ais import ais_log_likelihood
-from src.metrics.evaluation import metric_options, rank_share
+from src.metrics.distributed import rank_share
+from src.metrics.registry import metric_options
 from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
 from src.objectives.ssm import ssm
+from src.runs import progress
 
 # model.metrics.log_likelihood: AIS on the first test_points test points, its sampler's settings under ais
 AIS_DEFAULTS = {"n_steps": 1000, "n_chains": 16, "leapfrog": 10, "step_size": 0.05, "target_accept": 0.65,
@@ -84,8 +85,8 @@ class VAELitModule(DeqsmModule):
         monitor_mode: str | None = "min",
         n_samples_grid: int = 64,
     ):
-        loss, deq, optimizer, metrics = (as_plain(c) for c in (loss, deq, optimizer, metrics))
-        image_shape = [int(s) for s in as_plain(image_shape)]
+        loss, deq, optimizer, metrics = (plain(c) for c in (loss, deq, optimizer, metrics))
+        image_shape = [int(s) for s in plain(image_shape)]
         super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
                          loss=loss, loss_bound={"projection": projection})
         self.save_hyperparameters()

@@ -48,7 +48,10 @@ import torch
 from torch import nn
 from torchmetrics.image.fid import FrechetInceptionDistance, _compute_fid
 
+from src.metrics.base import EvalMetric
+from src.metrics.distributed import gathered_rows
 from src.metrics.mnist_classifier import load_mnist_feature_extractor, sha256_file
+from src.runs import progress
 
 KINDS = ("mnist", "inception")
 INCEPTION_FILE = "inception-2015-12-05.pt"
@@ -211,3 +214,90 @@ def bootstrap_fid_sd(real: torch.Tensor, fake: torch.Tensor, n_boot: int,
         j = torch.randint(0, fake.shape[0], (fake.shape[0],), generator=generator)
         values.append(float(fid_of_features(real[i], fake[j])))
     return float(torch.tensor(values, dtype=torch.float64).std())
+
+
+class FID(EvalMetric):
+    """FID of ``n_samples`` generated images against ``n_samples`` real test images (:mod:`src.metrics.fid`).
+
+    ``kind``: ``mnist`` (the project's shipped MNIST classifier features) or ``inception`` (Inception-v3
+    from ``weights``, a file the user gives — CIFAR-10, CelebA). Samples come from ``module.sample_pixels``
+    (EMA weights when EMA is on), real images from the data contract's ``split_tensor("test")`` through
+    ``to_pixels``. Under DDP each rank draws its share of both sets and torchmetrics sums the feature
+    statistics across ranks. Computed once per test epoch, at its end, with a progress task over the images
+    (the sampler may show its own, e.g. Langevin levels × steps); ``test/fid_n_samples`` records the count.
+    With ``bootstrap`` > 0 every image's features are kept (gathered across ranks) instead of summed, and both the
+    FID (:func:`src.metrics.fid.fid_of_features`: the same distance as torchmetrics' sums) and its bootstrap sd
+    come from them: each image goes through the feature network once.
+    """
+
+    name = "fid"
+    stages = ("test",)
+
+    def __init__(self, kind: str = "mnist", n_samples: int = 1000, weights: str | None = None,
+                 sha256: str | None = None, batch_size: int = 250, seed: int = 0, bootstrap: int = 0):
+        super().__init__()
+        self.kind, self.n_samples, self.weights, self.sha256 = kind, int(n_samples), weights, sha256
+        self.batch_size, self.seed, self.bootstrap = int(batch_size), int(seed), int(bootstrap)
+        if self.n_samples < 2:
+            raise ValueError(f"model.metrics.fid.n_samples={n_samples}: FID needs at least 2 samples")
+        if self.bootstrap == 1 or self.bootstrap < 0:
+            raise ValueError(f"model.metrics.fid.bootstrap={bootstrap}: 0 (off) or the number of bootstrap "
+                             "replicates (>= 2; e.g. 100) of the FID's sampling error")
+        self._fid = None
+
+    def setup(self, module, datamodule):
+        if not datamodule.is_image:
+            raise ValueError(f"model.metrics.fid needs image data; {type(datamodule).__name__} holds none")
+        if self._fid is None:
+            from src.metrics.fid import build_fid
+
+            # kept out of the module tree: the feature network's weights must not enter checkpoints/optimisers
+            object.__setattr__(self, "_fid", build_fid(self.kind, self.weights, self.sha256))
+        self._dm = datamodule
+
+    def update(self, module, x, stage):
+        pass  # everything happens at the end of the epoch
+
+    def compute(self, module, stage):
+        trainer = module.trainer
+        world, rank = max(1, trainer.world_size), trainer.global_rank
+        share = range(rank, self.n_samples, world)  # this rank's indices of the n samples
+        fid = self._fid.to(module.device)
+        fid.reset()
+        real = self._dm.split_tensor("test", self.n_samples)
+        if real.shape[0] < self.n_samples:
+            raise ValueError(f"model.metrics.fid.n_samples={self.n_samples} exceeds the {real.shape[0]} test "
+                             "images: lower it")
+        real = self._dm.to_pixels(real[list(share)])
+        n_fake = len(share)
+        features = {True: [], False: []}  # kept only for the bootstrap
+
+        def add(images: torch.Tensor, is_real: bool) -> None:
+            images = images.to(module.device).float()
+            if self.bootstrap:  # features kept (extracted once): the FID and its bootstrap are computed from them
+                with torch.no_grad():
+                    features[is_real].append(fid.inception(images).double())
+            else:  # streamed into torchmetrics' running sums
+                fid.update(images, real=is_real)
+
+        with progress.phase(module, f"FID ({self.kind} features): real + generated images",
+                            real.shape[0] + n_fake) as advance:
+            for start in range(0, max(real.shape[0], n_fake), self.batch_size):
+                if start < real.shape[0]:
+                    batch = real[start:start + self.batch_size]
+                    add(batch, True)
+                    advance(batch.shape[0])
+                if start < n_fake:
+                    k = min(self.batch_size, n_fake - start)
+                    fake = module.sample_pixels(k, seed=self.seed + 104729 * rank + start)
+                    if fake is None:
+                        raise ValueError(f"model.metrics.fid: {type(module).__name__} does not generate samples")
+                    add(fake, False)
+                    advance(k)
+        if not self.bootstrap:
+            return {"test/fid": float(fid.compute()), "test/fid_n_samples": float(self.n_samples)}
+
+        real_f, fake_f = (gathered_rows(module, torch.cat(features[flag])).cpu() for flag in (True, False))
+        g = torch.Generator().manual_seed(self.seed)  # the same replicates on every rank
+        return {"test/fid": float(fid_of_features(real_f, fake_f)), "test/fid_n_samples": float(self.n_samples),
+                "test/fid_bootstrap_sd": bootstrap_fid_sd(real_f, fake_f, self.bootstrap, g)}

@@ -11,17 +11,18 @@ and never moves the training RNG. ``val_points`` / ``test_points`` cap the point
 ranks together). The AIS log-likelihood goes through the ``log_likelihood`` metric
 (``VAELitModule.log_likelihood_metrics``).
 The module provides ``vae_eval_terms(x, generator) -> {"score_ssm_loss": [B], "recon_error": [B]}``.
-Registered here with :func:`src.metrics.evaluation.register_metric`; ``src.lit.vae`` imports this module.
+Registered in :data:`src.metrics.registry.METRICS`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from src.metrics.evaluation import EvalMetric, MeanAndStderr, rank_share, register_metric, seeded_rng
+from src.metrics.base import EvalMetric, MeanAndStderr
+from src.metrics.distributed import rank_share
+from src.runs.rng import seeded_rng
 
 
-@register_metric
 class VAEMetrics(EvalMetric):
     name = "vae"
     stages = ("val", "test")

@@ -5,9 +5,8 @@
 
 ``kind="dense"`` (DKEF feature networks, NICE couplings) uses :class:`src.deq.block.DenseDEQBlock` with
 ``n_layers`` dense layers inside f; ``kind="conv"`` (image models) a :class:`src.deq.block.ConvDEQBlock`
-with a convolutional injection and a 1×1 convolutional read-out. The same module also holds the single
-place where a model family's defaults are resolved: :func:`resolve_depth` (the ``depth`` key) and
-:func:`resolve_injection` (the ``deq.injection`` key).
+with a convolutional injection and a 1×1 convolutional read-out. A family's defaults (the ``depth`` key, the
+``deq.injection`` key) are resolved in :mod:`src.config.deq`.
 
 **The injection.** App. D.1/D.2 say the injection is "a single layer MLP with Softplus". In the paper's
 authors' code that Softplus is *the* nonlinearity of a one-hidden-layer network: their fixed point is
@@ -29,72 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from src.configs import plain
+from src.config.deq import INJECTIONS, block_config, resolve_injection
+from src.config.values import plain
 
-INJECTIONS = ("linear", "softplus")
 KINDS = ("dense", "conv")
-
-# The defaults of each model family, decided in this one place (conf/model/<family>.yaml documents them):
-# - explicit_depth: dense layers of the explicit network when deq=false (DKEF: the reference Phi_w's 3;
-#   NICE: the reference coupling MLP's 5); a DEQ always defaults to 1 layer inside f (the paper's);
-# - injection: what ``deq.injection: null`` means (see the module doc and benchmarks/results/*.md).
-FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
-    "dkef": {"explicit_depth": 3, "injection": "linear"},
-    "nice": {"explicit_depth": 5, "injection": "linear"},
-    "supervised": {"explicit_depth": 3, "injection": "linear"},  # the DEQ-vs-feed-forward studies (src/studies)
-}
-DEQ_DEPTH_DEFAULT = 1
-
-
-def _family(family: str) -> dict[str, Any]:
-    try:
-        return FAMILY_DEFAULTS[family]
-    except KeyError:
-        raise ValueError(f"unknown model family {family!r}; known: {', '.join(FAMILY_DEFAULTS)}") from None
-
-
-def resolve_depth(family: str, depth: int | None, deq_enabled: bool) -> int:
-    """The ``depth`` key, validated, with ``None`` replaced by the family's default.
-
-    ``depth`` counts explicit dense layers when ``deq_enabled`` is false (default: the family's
-    ``explicit_depth``) and layers inside the DEQ map f when it is true (default 1), so every point of a
-    ``deq × depth`` sweep is a valid model. The one place this default is decided: src/train.py's start-up
-    check and the LightningModules call it.
-    """
-    defaults = _family(family)
-    if depth is None:
-        return DEQ_DEPTH_DEFAULT if deq_enabled else int(defaults["explicit_depth"])
-    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or int(depth) != depth or depth < 1:
-        default = f"{DEQ_DEPTH_DEFAULT} with deq=true, {defaults['explicit_depth']} with deq=false"
-        raise ValueError(
-            f"depth={depth!r} is invalid: give a positive integer (explicit layers when deq=false, layers inside "
-            f"the DEQ map f when deq=true), or leave it unset for the {family} default ({default})"
-        )
-    return int(depth)
-
-
-def resolve_injection(family: str, injection: str | None) -> str:
-    """``deq.injection``: ``linear`` | ``softplus``, or ``None`` for the family's default."""
-    value = _family(family)["injection"] if injection is None else injection
-    if value not in INJECTIONS:
-        raise ValueError(f"deq.injection={injection!r} is unknown; valid: {', '.join(INJECTIONS)} "
-                         "(or null for the model family's default)")
-    return value
-
-
-def deq_settings(deq: Any) -> tuple[Any, str | None]:
-    """Split the ``deq`` config group into a ``DEQConfig`` (solver keys) and its ``injection`` key.
-
-    ``deq`` is a mapping (the config group; ``enabled`` is dropped), a ``DEQConfig`` or ``None``.
-    """
-    DEQConfig = importlib.import_module("src.deq.config").DEQConfig  # lazy, as the block import
-
-    if isinstance(deq, DEQConfig):
-        return deq, getattr(deq, "injection", None)
-    cfg = dict(deq or {})
-    cfg.pop("enabled", None)
-    injection = cfg.get("injection")
-    return DEQConfig(**cfg), injection
 
 
 def make_injection(kind: str, injection: str, in_features: int, width: int, kernel_size: int = 3) -> nn.Module:
@@ -117,7 +54,8 @@ class DEQNet(nn.Module):
 
     ``kind="dense"``: ``[B, in_features] → [B, out_features]``, ``n_layers`` dense layers inside f.
     ``kind="conv"``: ``[B, C_in, H, W] → [B, out_features, H, W]``, f a ``kernel_size`` convolution,
-    R (and S) 1×1 convolutions. ``deq`` is the ``deq`` config group (mapping) or a ``DEQConfig``; ``injection``
+    R (and S) 1×1 convolutions. ``deq`` is the ``deq`` config group (mapping: its solver keys,
+    :func:`src.config.deq.block_config`), a ``DEQConfig`` or None (the defaults); ``injection``
     overrides its ``injection`` key; ``family`` resolves a ``None`` injection to that family's default.
     ``activation`` σ of the dense map (Softplus, or ReLU / identity for the supervised studies).
     """
@@ -134,8 +72,8 @@ class DEQNet(nn.Module):
             if kind == "conv":
                 raise ValueError(f"activation={activation!r}: conv DEQ maps use Softplus")
 
-        config, from_cfg = deq_settings(deq)
-        self.injection_kind = resolve_injection(family, injection if injection is not None else from_cfg)
+        config = block_config(deq)
+        self.injection_kind = resolve_injection(family, injection if injection is not None else config.injection)
         if int(width) < 1 or int(n_layers) < 1:
             raise ValueError(f"width and n_layers must be >= 1, got width={width}, n_layers={n_layers}")
         if kind not in KINDS:
@@ -179,7 +117,7 @@ class DEQNetFactory:
         if int(width) < 1 or int(n_layers) < 1:
             raise ValueError(f"width and n_layers must be >= 1, got width={width}, n_layers={n_layers}")
         self.width, self.n_layers = int(width), int(n_layers)
-        self.deq_config = plain(deq)
+        self.deq_config = plain(deq)  # parsed (block_config) when a network is built: src.deq is imported then
         raw = injection if injection is not None else (
             self.deq_config.get("injection") if isinstance(self.deq_config, Mapping)
             else getattr(self.deq_config, "injection", None))

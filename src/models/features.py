@@ -15,7 +15,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from src.models.deq_net import DEQNet, resolve_depth
+from src.config.deq import deq_setting, resolve_depth
+from src.models.deq_net import DEQNet
 
 
 class MLPFeatures(nn.Module):
@@ -60,12 +61,12 @@ def build_feature_net(
 ) -> nn.Module:
     """Feature network selected by the ``deq`` and ``depth`` config keys.
 
-    ``depth`` counts explicit dense layers when ``deq.enabled`` is false (default 3) and layers inside the
-    DEQ's f when it is true (default 1), so every point of a ``deq x depth`` sweep is a valid model
-    (:func:`src.models.deq_net.resolve_depth`). ``deq.injection`` is read only when ``deq.enabled``.
+    ``depth`` counts explicit dense layers with ``deq=false`` (default 3) and layers inside the
+    DEQ's f with ``deq=true`` (default 1), so every point of a ``deq x depth`` sweep is a valid model
+    (:func:`src.config.deq.resolve_depth`); ``deq`` is parsed by :func:`src.config.deq.deq_setting`.
     """
-    enabled = bool(deq and deq.get("enabled", False))
-    depth = resolve_depth("dkef", depth, enabled)
-    if enabled:
-        return DEQFeatures(in_dim, out_dim, width=deq_width, n_layers=int(depth), deq=deq, skip=skip, name=name)
+    setting = deq_setting(deq)
+    depth = resolve_depth("dkef", depth, setting)
+    if setting is not None:
+        return DEQFeatures(in_dim, out_dim, width=deq_width, n_layers=int(depth), deq=setting, skip=skip, name=name)
     return MLPFeatures(in_dim, out_dim, hidden=hidden, depth=int(depth), skip=skip)

@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from src.config.deq import block_config, deq_setting, resolve_depth
 from src.deq.block import ConditionalResidualDEQBlock, ResidualDEQBlock
 from src.models.ncsn_norm import norm_act
 
@@ -249,9 +250,7 @@ class DEQResBlock(nn.Module):
 
     def __init__(self, channels: int, num_classes: int | None, deq: Any = None, name: str = "ncsn.deq"):
         super().__init__()
-        from src.models.deq_net import deq_settings
-
-        config, _ = deq_settings(deq)
+        config = block_config(deq)
         if num_classes is None:
             self.block = LabelFreeResidualDEQBlock(channels, channels, 3, config=config, name=name)
         else:
@@ -296,8 +295,8 @@ class NCSN(nn.Module):
         self.arch, self.ngf, self.centered_input = arch, int(ngf), bool(centered_input)
         self.num_classes = sig.numel()
         n = self.num_classes if conditioning == "cond_norm" else None  # what the blocks are conditioned on
-        deq = dict(deq or {})
-        self.deq_enabled = bool(deq.get("enabled", False)) and arch == "deq"
+        setting = deq_setting(deq) if arch == "deq" else None
+        self.deq_enabled = setting is not None
         c1, c2 = self.ngf, 2 * self.ngf
         self.begin = conv3x3(channels, c1)
         if arch == "refinenet":
@@ -308,15 +307,10 @@ class NCSN(nn.Module):
             self.refine = nn.ModuleList([RefineBlock([c2], c2, n), RefineBlock([c2, c2], c2, n),
                                          RefineBlock([c2, c2], c1, n), RefineBlock([c1, c1], c1, n, end=True)])
         else:
-            if self.deq_enabled and depth not in (None, 1):
-                raise ValueError(f"depth={depth} with deq=true: the DEQ-ResBlock's map has one residual branch "
-                                 "(depth 1); depth=k counts the plain ResBlocks standing in for it with deq=false")
-            depth = 1 if depth is None else int(depth)
-            if depth < 1:
-                raise ValueError(f"depth={depth}: the number of ResBlocks standing for the DEQ-ResBlock (>= 1)")
+            depth = resolve_depth("ncsn", depth, setting)
             self.depth = depth
             self.res_in = ResBlock(c1, c1, n)
-            self.middle = DEQResBlock(c1, n, deq) if self.deq_enabled else ResidualStack(c1, n, depth)
+            self.middle = DEQResBlock(c1, n, setting) if self.deq_enabled else ResidualStack(c1, n, depth)
             self.res_out = ResBlock(c1, c1, n)
             self.down = nn.ModuleList([ResBlock(c1, c2, n, resample="down"), ResBlock(c2, c2, n)])
             # the low-resolution RefineBlock outputs ngf (as NCSN's third block does): ≈ 8M parameters at ngf 128

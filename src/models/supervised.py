@@ -17,7 +17,8 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from src.models.deq_net import DEQNet, resolve_depth
+from src.config.deq import block_config, deq_setting, resolve_depth
+from src.models.deq_net import DEQNet
 
 ARCHS = ("auto", "mlp", "deq", "diag_deq", "diag_net")
 _ACT = {"relu": nn.ReLU, "softplus": nn.Softplus, "identity": nn.Identity, "tanh": nn.Tanh}
@@ -116,22 +117,23 @@ def build_supervised_net(in_dim: int, out_dim: int = 1, *, arch: str = "auto", d
                          depth: int | None = None, width: int = 16, hidden: int | None = None,
                          match: str | None = None, activation: str = "relu", bias: bool = True,
                          beta0: float = 1.0, alpha: float = 0.1) -> nn.Module:
-    """The net the config asks for. ``arch=auto``: a DEQ when ``deq.enabled`` else an MLP. For the MLP the hidden
+    """The net the config asks for. ``arch=auto``: a DEQ with ``deq=true`` else an MLP. For the MLP the hidden
     width is ``hidden``, or matched to the DEQ of width ``width`` (depth 1): ``match=params`` (equal parameter
     count), ``match=neurons`` (``width`` hidden neurons spread over the depth − 1 hidden layers)."""
     if arch not in ARCHS:
         raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
-    enabled = bool(deq and deq.get("enabled", False))
+    setting = deq_setting(deq)
     if arch == "auto":
-        arch = "deq" if enabled else "mlp"
+        arch = "deq" if setting is not None else "mlp"
     if arch == "diag_deq":
         return DiagonalLinearDEQ(in_dim, bias=bias, beta0=beta0)
     if arch == "diag_net":
         return DiagonalLinearNet(in_dim, bias=bias, alpha=alpha)
     if arch == "deq":
         return DEQNet(in_dim, out_dim, int(width), deq=deq, family="supervised",
-                      n_layers=resolve_depth("supervised", depth, True), activation=activation)
-    depth = resolve_depth("supervised", depth, False)
+                      n_layers=resolve_depth("supervised", depth, block_config(deq)),
+                      activation=activation)
+    depth = resolve_depth("supervised", depth, None)
     if match == "params":
         hidden = hidden_for_params(deq_params(in_dim, out_dim, int(width)), in_dim, out_dim, depth)
     elif match == "neurons":
@@ -143,12 +145,6 @@ def build_supervised_net(in_dim: int, out_dim: int = 1, *, arch: str = "auto", d
     if hidden is None:
         raise ValueError("an MLP needs model.hidden or model.match=params|neurons")
     return MLP(in_dim, out_dim, int(hidden), depth, activation)
-
-
-def deq_blocks(net: nn.Module):
-    from src.deq.block import DEQBlock
-
-    return [m for m in net.modules() if isinstance(m, DEQBlock)]
 
 
 def forward_flops(net: nn.Module, iterations: float | None = None) -> float:

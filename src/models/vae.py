@@ -32,25 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from src.config.deq import deq_setting, resolve_depth
 from src.deq.block import ConvDEQBlock, DenseDEQBlock
-from src.models.deq_net import deq_settings, make_injection
+from src.models.deq_net import make_injection
 
 ARCHS = ("mlp", "conv")
 LIKELIHOODS = ("bernoulli", "gaussian")
-
-
-def resolve_vae_depth(depth: int | None, deq_enabled: bool) -> int:
-    """``depth``: extra stride-1 layers of the score estimator's pre-processing when ``deq=false`` (default 0,
-    the SSM VAE; 8, 16: Aug(8), Aug(16)); with ``deq=true`` the DEQ block has one conv inside f (depth 1)."""
-    if depth is None:
-        return 1 if deq_enabled else 0
-    if isinstance(depth, bool) or int(depth) != depth or depth < 0:
-        raise ValueError(f"depth={depth!r}: give an integer >= 0 (explicit pre-processing layers of the VAE "
-                         "score estimator)")
-    if deq_enabled and int(depth) != 1:
-        raise ValueError(f"deq=true depth={depth}: the VAE score estimator's DEQ block has one layer inside f; "
-                         "leave depth unset (or 1)")
-    return int(depth)
 
 
 def _n_down(size: int) -> int:
@@ -193,7 +180,8 @@ class ScoreEstimator(nn.Module):
 
     ``depth`` k explicit stride-1 layers (conv: 5×5, m channels; mlp: dense, m units), Softplus, when
     ``deq`` is disabled; one DEQ block (conv: ``ConvDEQBlock`` 5×5; mlp: ``DenseDEQBlock``) with a linear
-    injection when it is enabled. ``deq`` is the ``deq`` config group (``enabled`` and the solver keys).
+    injection when it is enabled. ``deq`` is the ``deq`` config group, parsed by :func:`src.config.deq.deq_setting`; ``depth`` follows
+    :data:`src.config.deq.DEPTH_RULES` (``vae``).
     ``aug_init``: ``kaiming`` (default, :func:`init_aug_layers`) or ``torch`` (PyTorch's default) for those k
     explicit layers."""
 
@@ -202,15 +190,15 @@ class ScoreEstimator(nn.Module):
         super().__init__()
         if aug_init not in AUG_INITS:
             raise ValueError(f"model.aug_init={aug_init!r} is unknown; valid: {', '.join(AUG_INITS)}")
-        deq_cfg = dict(deq or {})
-        self.deq_enabled = bool(deq_cfg.get("enabled", False))
-        self.depth = resolve_vae_depth(depth, self.deq_enabled)
+        config = deq_setting(deq)
+        self.deq_enabled = config is not None
+        self.depth = resolve_depth("vae", depth, config)
         self.image_shape, self.latent_dim, self.arch, self.m = tuple(image_shape), int(latent_dim), arch, int(channels)
         c, h, w = self.image_shape
         d = math.prod(self.image_shape)
         self.embed = nn.Linear(latent_dim, d)  # Dense(z), reshaped to the image
         if self.deq_enabled:
-            config, injection = deq_settings(deq_cfg)
+            injection = config.injection
             if injection not in (None, "linear"):
                 raise ValueError(f"deq.injection={injection!r}: the VAE score estimator's DEQ block takes a linear "
                                  "injection (the input layer's Softplus is the block's; a Softplus g would squash "

@@ -34,7 +34,9 @@ import lightning.pytorch as L
 import torch
 
 from src.callbacks.profiling import SavedTensorsMeter
-from src.metrics.evaluation import seeded_rng
+from src.config.deq import deq_setting
+from src.deq.lookup import blocks_of
+from src.runs.rng import seeded_rng
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +72,10 @@ def rss_bytes() -> int:
     return 0
 
 
-def _deq_blocks(module):
-    return [m for m in module.modules() if hasattr(m, "warm_start_state") and hasattr(m, "load_warm_start_state")]
-
-
 @contextlib.contextmanager
 def _side_effect_free(module: L.LightningModule):
     """Mute logging, turn manual updates into a plain backward, keep RNG and DEQ warm starts as they were."""
-    warm = [(b, b.warm_start_state()) for b in _deq_blocks(module)]
+    warm = [(b, b.warm_start_state()) for _, b in blocks_of(module)]
     saved = {name: module.__dict__.get(name) for name in ("log", "log_dict", "manual_update")}
     module.log = lambda *a, **k: None
     module.log_dict = lambda *a, **k: None
@@ -130,8 +128,9 @@ def lowering_hints(model_cfg, deq_cfg, batch_size: int) -> str:
         value = model_cfg.get(key) if model_cfg is not None else None
         if isinstance(value, int) and not isinstance(value, bool):
             hints.append(f"model.{key} (now {value})")
-    if deq_cfg is not None and deq_cfg.get("enabled") and deq_cfg.get("backward") == "phantom":
-        hints.append(f"deq.backward=implicit or fewer deq.phantom_steps (now {deq_cfg.get('phantom_steps')})")
+    setting = deq_setting(deq_cfg)
+    if setting is not None and setting.backward == "phantom":
+        hints.append(f"deq.backward=implicit or fewer deq.phantom_steps (now {setting.phantom_steps})")
     return ", ".join(hints)
 
 

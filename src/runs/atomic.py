@@ -1,5 +1,4 @@
-"""What the entry points (``src.train``, ``src.evaluate``, ``src.sample``) and the callbacks share: files written
-atomically, the run's float environment, and the printed metrics table.
+"""Files written atomically.
 
 Atomic files: every file a run or a download leaves behind (checkpoints, metrics.json, sample grids, weights,
 data archives) is written to a temporary name in its destination's folder and ``os.replace``d into place, so
@@ -17,8 +16,6 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from typing import IO, Any
-
-import torch
 
 log = logging.getLogger(__name__)
 
@@ -51,28 +48,3 @@ def write_json_atomic(path: str | os.PathLike, payload: Mapping[str, Any]) -> No
         json.dump(payload, fh, indent=2, sort_keys=True)
 
 
-def set_float_environment(cfg: Mapping) -> None:
-    """Process-wide float settings of a run: ``flush_denormal`` (conf/train.yaml says why). Called first thing
-    in a run: the CPU flag is per thread, and the intra-op thread pool inherits it only if it is created after
-    (measured: set after a 2-thread op had built the pool, half the results stayed subnormal)."""
-    flush = bool(cfg.get("flush_denormal", True))
-    if not torch.set_flush_denormal(flush) and flush:
-        log.warning("flush_denormal=true is not supported by this CPU (needs SSE3); subnormal floats stay slow")
-
-
-def print_metrics(metrics: Mapping[str, Any], where: str | os.PathLike) -> None:
-    """The numeric entries of ``metrics`` as a table (Rich), titled with the file they were written to."""
-    rows = [(k, v) for k, v in metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:  # pragma: no cover
-        for k, v in sorted(rows):
-            print(f"{k}: {v}")
-        return
-    table = Table(title=f"metrics ({where})")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for k, v in sorted(rows):
-        table.add_row(k, f"{v:.6g}" if isinstance(v, float) else str(v))
-    Console().print(table)

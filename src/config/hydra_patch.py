@@ -8,11 +8,15 @@ boolean for a plain key stays a boolean. Installed on ``import src`` (every entr
 ``hydra.compose(..., overrides=["deq=true"])`` works in tools that import the package first.
 
 Every composition (command line, ``hydra.compose``, each sweep trial) is also checked for config keys that moved
-(:data:`src.configs.MOVED_KEYS`): an override or a config file naming one is refused with one line naming the
+(:data:`src.config.moved_keys.MOVED_KEYS`): an override or a config file naming one is refused with one line naming the
 new key, before Hydra's own "Could not override" (which would not say where the key went).
 
-It also registers the ``sweep_direction`` resolver: ``${sweep_direction:${optimized_metric_mode}}`` turns the
-checkpoint callback's ``min``/``max`` into the Optuna sweeper's ``minimize``/``maximize`` (conf/hparams_search/).
+It also registers the config's resolvers (:mod:`src.config.resolvers`).
+
+Why a patch at all: ``deq=true`` must stay a config-group choice (``deq.solver=anderson`` beside it, sweeps
+``deq=true,false``), and Hydra offers no hook to read ``true`` as a group option name.
+``tests/test_hydra_patch.py`` fails when Hydra's behaviour changes (the private classes patched here, or a
+Hydra that accepts boolean group choices by itself and makes this module unnecessary).
 """
 
 from __future__ import annotations
@@ -20,24 +24,15 @@ from __future__ import annotations
 import functools
 
 _INSTALLED = False
-_DIRECTIONS = {"min": "minimize", "max": "maximize"}
-
-
-def sweep_direction(mode: str) -> str:
-    """``optimized_metric_mode`` (min | max) as an Optuna study direction (minimize | maximize)."""
-    if mode not in _DIRECTIONS:
-        raise ValueError(f"optimized_metric_mode={mode!r} is invalid: use min or max")
-    return _DIRECTIONS[mode]
 
 
 def install() -> None:
     global _INSTALLED
     if _INSTALLED:
         return
-    from omegaconf import OmegaConf
+    from src.config.resolvers import register_resolvers
 
-    if not OmegaConf.has_resolver("sweep_direction"):
-        OmegaConf.register_new_resolver("sweep_direction", sweep_direction)
+    register_resolvers()
     from hydra._internal import defaults_list
 
     original = defaults_list.Overrides.__init__
@@ -58,11 +53,11 @@ def install() -> None:
 
 def _refuse_moved_keys_on_compose() -> None:
     """Before Hydra applies the command-line overrides to the composed config (config files merged, struct
-    set), refuse a moved key in either with :func:`src.configs.moved_key_message`'s line."""
+    set), refuse a moved key in either with :func:`src.config.moved_keys.moved_key_message`'s line."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra.errors import ConfigCompositionException
 
-    from src.configs import moved_override_message, refuse_moved_keys
+    from src.config.moved_keys import moved_override_message, refuse_moved_keys
 
     original = ConfigLoaderImpl._apply_overrides_to_config
 

@@ -1,10 +1,8 @@
-"""Config values as plain Python (the one converter every layer uses), and the table of config keys that moved.
-
-:func:`plain` turns OmegaConf containers into plain dicts/lists for models and LightningModules.
+"""The table of config keys that moved.
 
 :data:`MOVED_KEYS` lists keys that moved to a new home. A config naming one, on the command line or in a config
 file (an experiment, a run's saved config), is refused with one line naming the new key
-(:func:`moved_key_message`, :func:`moved_override_message`, :func:`refuse_moved_keys`): ``src.hydra_compat`` checks every composition, and
+(:func:`moved_key_message`, :func:`moved_override_message`, :func:`refuse_moved_keys`): ``src.config.hydra_patch`` checks every composition, and
 ``src.evaluate`` a run's saved config, so an old key never silently does nothing.
 """
 
@@ -13,26 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-
-def plain(cfg: Any) -> Any:
-    """OmegaConf containers → plain dicts/lists (resolved), other Mappings → dict, anything else unchanged.
-
-    Plain values pickle (DDP, checkpoints' hyper-parameters) and print cleanly.
-    """
-    try:
-        from omegaconf import DictConfig, ListConfig, OmegaConf
-
-        if isinstance(cfg, (DictConfig, ListConfig)):
-            return OmegaConf.to_container(cfg, resolve=True)
-    except ImportError:  # pragma: no cover
-        pass
-    if isinstance(cfg, Mapping):
-        return dict(cfg)
-    return cfg
-
-
 # old key (or prefix: everything below it moves with it) -> new key. Every evaluation setting lives in the
-# model.metrics tree, beside the metric it configures (src.metrics.evaluation); DKEF's α refit is no metric.
+# model.metrics tree, beside the metric it configures (src.metrics.registry); DKEF's α refit is no metric.
 MOVED_KEYS: dict[str, str] = {
     "model.evaluation.ll_samples": "model.metrics.log_likelihood.samples",
     "model.evaluation.ll_proposal_std": "model.metrics.log_likelihood.proposal_std",

@@ -1,0 +1,102 @@
+"""The DEQ contraction monitor of every LightningModule with a DEQ block.
+
+A forward pre-hook keeps the first ``deq_input_rows`` rows of the last training input each DEQ block saw (a
+family that measures elsewhere sets 0: NCSN); at the end of each validation the block's contraction rate
+‖∂f/∂z‖₂ at that input's fixed point is logged (``val/deq_contraction_rate``, the largest over blocks, and
+``val/deq_contraction_rate/<block>`` when there are several), and :meth:`DEQMonitorMixin.check_phantom_truncation`
+warns when the phantom backward (Alg. 1) truncates a loss that differentiates through the DEQ by more than
+``src.deq.block.PHANTOM_TRUNCATION_WARN``.
+
+:class:`DEQMonitorMixin` is mixed into :class:`src.lit.base.DeqsmModule`.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from src.deq.block import PHANTOM_TRUNCATION_WARN, phantom_truncation
+from src.deq.lookup import blocks_of
+
+
+class DEQMonitorMixin:
+    """Contraction rates of the module's DEQ blocks and the phantom-truncation warning."""
+
+    deq_input_rows = 16  # rows of the last training input kept per DEQ block for its contraction rate (0: none)
+    outputs_score = False  # the network outputs the score itself (not an energy): see loss_differentiates_through_deq
+    _deq_inputs: dict
+    _deq_hooks: list
+
+    def loss_differentiates_through_deq(self) -> bool:
+        """Whether the training loss's value contains a derivative w.r.t. the data through the DEQ, so that the
+        phantom backward (Alg. 1) truncates the loss itself, not only its parameter gradient. An energy / density
+        model's score is ∇ₓ log p through the DEQ: every score-matching loss does, MLE does not (NICE's additive
+        couplings have unit Jacobian determinant). A score network (``outputs_score``: NCSN, the VAE's estimator)
+        is differentiated only by the divergence of SSM / SSM-VR / SM, not by DSM."""
+        name = self.loss_name
+        return not (name == "mle" or (self.outputs_score and name == "dsm"))
+
+    def on_fit_start(self) -> None:
+        self._deq_inputs = {}
+        if not self.deq_input_rows:  # the family measures its rate on other inputs (NCSN: validation images)
+            return
+        for name, block in blocks_of(self):
+            self._deq_hooks.append(block.register_forward_pre_hook(self._deq_input_hook(name)))
+
+    def on_fit_end(self) -> None:
+        for handle in self._deq_hooks:
+            handle.remove()
+        self._deq_hooks = []
+
+    def _deq_input_hook(self, name: str):
+        rows = self.deq_input_rows
+
+        def keep(block, args):
+            if block.training:  # training forwards only; the first rows, detached, copied (not a view)
+                self._deq_inputs[name] = tuple(a.detach()[:rows].clone() if torch.is_tensor(a) and a.dim() else a
+                                               for a in args)
+        return keep
+
+    def deq_contraction_rates(self) -> dict[str, float]:
+        """{block name: ‖∂f/∂z‖₂ at the fixed point} of each DEQ block, at the last training input it saw
+        (:meth:`src.deq.block.DEQBlock.contraction_rate`); blocks that have not seen one are left out."""
+        return {name: block.contraction_rate(*self._deq_inputs[name])
+                for name, block in blocks_of(self) if name in self._deq_inputs}
+
+    def log_deq_contraction(self) -> None:
+        """Log ``val/deq_contraction_rate`` (largest over blocks; per block too when there are several) and warn
+        when it makes the phantom backward truncate the loss (:meth:`check_phantom_truncation`)."""
+        rates = self.deq_contraction_rates()
+        if not rates:
+            return
+        self.log("val/deq_contraction_rate", max(rates.values()), sync_dist=True, reduce_fx="max")
+        if len(rates) > 1:
+            for name, rate in rates.items():
+                self.log(f"val/deq_contraction_rate/{name}", rate, sync_dist=True, reduce_fx="max")
+        blocks = dict(blocks_of(self))
+        for name, rate in rates.items():
+            self.check_phantom_truncation(rate, blocks[name])
+
+    def check_phantom_truncation(self, rate: float, block=None) -> float | None:
+        """Warn when the phantom backward of ``block`` (default: the only DEQ block) truncates a loss that
+        differentiates through the DEQ by more than ``PHANTOM_TRUNCATION_WARN`` at the contraction ``rate``
+        (:func:`src.deq.block.phantom_truncation`); returns the bound, or None when it does not apply (no DEQ,
+        the implicit backward, which is exact, or a loss with no derivative through the DEQ)."""
+        if block is None:
+            blocks = blocks_of(self)
+            if len(blocks) != 1:
+                return None
+            block = blocks[0][1]
+        if block.config.backward != "phantom" or not self.loss_differentiates_through_deq():
+            return None
+        k = int(block.config.phantom_steps)
+        bound = phantom_truncation(rate, k)
+        if bound > PHANTOM_TRUNCATION_WARN:
+            warnings.warn(
+                f"{type(self).__name__}: DEQ block '{block.name}' contracts at {rate:.3f}, so the phantom gradient "
+                f"with K = {k} (deq.phantom_steps) truncates the training loss's derivative through the DEQ by up "
+                f"to {bound:.0%}; the network can lower that truncated loss while the exact one rises. Use "
+                "deq.backward=implicit (exact) or raise deq.phantom_steps until ρᴷ/(1 − ρ) is small.",
+                RuntimeWarning, stacklevel=2)
+        return bound

@@ -1,0 +1,57 @@
+"""The ``deq`` setting parsed once (src.config.deq): one typed value, every family's depth rule in one table."""
+
+import pytest
+from omegaconf import OmegaConf
+
+from src.config.deq import DEPTH_RULES, block_config, deq_setting, family_of, resolve_depth
+from src.deq.config import DEQConfig
+
+
+def test_deq_setting_is_a_deq_config_or_none():
+    on = deq_setting(OmegaConf.create({"enabled": True, "solver": "anderson", "injection": "softplus"}))
+    assert isinstance(on, DEQConfig) and on.solver == "anderson" and on.injection == "softplus"
+    assert deq_setting({"enabled": False, "solver": "anderson"}) is None
+    assert deq_setting(None) is None and deq_setting(on) is on  # idempotent
+    with pytest.raises(ValueError, match="deq.solver='newton' is unknown"):
+        deq_setting({"enabled": True, "solver": "newton"})
+    assert deq_setting({"enabled": False, "solver": "newton"}) is None  # explicit layers ignore the solver keys
+    with pytest.raises(ValueError, match="deq config group"):
+        deq_setting(True)
+    assert block_config({"enabled": False, "tol": 1e-3}).tol == 1e-3
+
+
+@pytest.mark.parametrize(("family", "explicit", "deq"), [("dkef", 3, 1), ("nice", 5, 1), ("vae", 0, 1), ("ncsn", 1, 1)])
+def test_depth_defaults_per_family(family, explicit, deq):
+    assert resolve_depth(family, None, None) == explicit
+    assert resolve_depth(family, None, DEQConfig()) == deq
+
+
+def test_depth_rules_refuse_what_the_family_cannot_build():
+    with pytest.raises(ValueError, match="depth=2 with deq=true"):
+        resolve_depth("ncsn", 2, DEQConfig())
+    with pytest.raises(ValueError, match="one layer inside f"):
+        resolve_depth("vae", 8, DEQConfig())
+    assert resolve_depth("nice", 4, DEQConfig()) == 4 and resolve_depth("vae", 0, None) == 0
+    with pytest.raises(ValueError, match=">= 1"):
+        resolve_depth("ncsn", 0, None)
+    assert set(DEPTH_RULES) >= {"dkef", "nice", "vae", "ncsn"}
+
+
+def test_family_of_a_run_config():
+    assert family_of({"model": {"_target_": "src.lit.nice.NICEModule"}}) == "nice"
+    assert family_of({"model": {"_target_": "src.lit.dkef.DKEFModule"}}) == "dkef"
+    assert family_of({"model": {}}) is None
+
+
+def test_the_deq_enable_flag_is_read_in_one_place():
+    """Acceptance of issue #39: ``enabled`` of the deq group is read only by deq_setting (src/config/deq.py)."""
+    import re
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    readers = []
+    for path in src.rglob("*.py"):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"""(get\(|\[)["']enabled["']""", line):
+                readers.append(f"{path.relative_to(src)}:{i}")
+    assert [r.split(":")[0] for r in readers] == ["config/deq.py"], readers
