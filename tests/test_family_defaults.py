@@ -39,3 +39,14 @@ def test_an_image_family_composes_with_the_named_data(family):
     validate_config(cfg)
     resolved = OmegaConf.to_container(cfg.model, resolve=True)
     assert resolved.get("data_shape", resolved.get("image_shape")) == [1, 28, 28]
+
+
+@pytest.mark.parametrize(("overrides", "ngf", "batch"), [
+    ([], 16, 32),                           # size=cpu, the default on the CPU trainer
+    (["size=paper"], 64, 128),              # the configured (paper) sizes on a CPU
+    (["trainer=gpu"], 64, 128),             # a GPU trainer chooses size=paper
+    (["trainer=gpu", "size=cpu"], 16, 32),  # the command line wins over the trainer's choice
+])
+def test_the_size_choice_is_visible_and_overridable(overrides, ngf, batch):
+    cfg = _compose("model=ncsn", "data=mnist_images", *overrides)
+    assert (cfg.model.ngf, cfg.data.batch_size) == (ngf, batch)
