@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 
+from benchmarks.lib.deq_backward import set_backward
 from benchmarks.lib.results import checkpoint_options, checkpoint_study, note_lines
 from src.reporting import markdown_table
 
@@ -40,8 +41,6 @@ def losses(module, x, seed: int) -> dict[str, float]:
 
 
 def measure(module, n: int, ks: list[int], seed: int) -> dict:
-    from benchmarks.studies.phantom import set_mode
-
     block = module.net.deq_block()
     if block is None:
         raise SystemExit("not a DEQ-NCSN checkpoint (model.arch=deq with deq=true)")
@@ -52,9 +51,9 @@ def measure(module, n: int, ks: list[int], seed: int) -> dict:
     rate = block.contraction_rate(module.net.deq_input(x, labels), labels)
     rows = {}
     for k in ks:
-        set_mode(module.net, "phantom", k)
+        set_backward(module.net, "phantom", k)
         rows[f"phantom K={k}"] = losses(module, x, seed)
-    set_mode(module.net, "implicit")
+    set_backward(module.net, "implicit")
     rows["implicit"] = losses(module, x, seed)
     return {"contraction_rate_level0": rate, "losses": rows}
 

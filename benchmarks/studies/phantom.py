@@ -23,24 +23,12 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.lib.deq_backward import set_backward
 from src.data.datamodules import UCIDataModule
 from src.models.dkef import DKEF
 from src.objectives.base import compute_score
 from src.objectives.sm import sm
 from src.objectives.ssm import ssm
-
-
-def deq_blocks(model: torch.nn.Module):
-    from src.deq.block import DEQBlock
-
-    return [m for m in model.modules() if isinstance(m, DEQBlock)]
-
-
-def set_mode(model: torch.nn.Module, backward: str, k: int | None = None) -> None:
-    for block in deq_blocks(model):
-        block.config.backward = backward
-        if k is not None:
-            block.config.phantom_steps = k
 
 
 def param_grad(model: DKEF, x_fit, x_loss, loss: str, v: torch.Tensor | None) -> torch.Tensor:
@@ -59,7 +47,7 @@ def compare(model: DKEF, x: torch.Tensor, ks: list[int], seed: int) -> dict:
     half = x.shape[0] // 2
     x_fit, x_loss = x[:half], x[half:]
     model.fit_alpha_on(x_fit, "exact")  # a fixed α for the score comparison
-    set_mode(model, "implicit")
+    set_backward(model, "implicit")
     s_star = compute_score(model, x_loss, create_graph=False).detach()
     g = torch.Generator().manual_seed(seed)
     v = (torch.randint(0, 2, x_loss.shape, generator=g) * 2 - 1).to(x_loss)[None]
@@ -67,7 +55,7 @@ def compare(model: DKEF, x: torch.Tensor, ks: list[int], seed: int) -> dict:
     g_star = {loss: param_grad(model, x_fit, x_loss, loss, v) for loss in ("sm", "ssm")}
     out = {}
     for k in ks:
-        set_mode(model, "phantom", k)
+        set_backward(model, "phantom", k)
         s_k = compute_score(model, x_loss, create_graph=False).detach()
         rel = (s_k - s_star).norm(dim=-1) / s_star.norm(dim=-1).clamp_min(1e-30)
         cos = torch.nn.functional.cosine_similarity(s_k, s_star, dim=-1)
@@ -167,7 +155,7 @@ def main(argv: list[str] | None = None) -> dict:
                     records[k]["grad_cos_ssm"].append(r["grad_cos"]["ssm"])
                 print(f"step {step}: K=2 rel. score error {sum(res[2]['rel_error']) / len(res[2]['rel_error']):.3e}, "
                       f"1 - grad cos SM {1 - res[2]['grad_cos']['sm']:.2e} SSM {1 - res[2]['grad_cos']['ssm']:.2e}", flush=True)
-            set_mode(model, "phantom", 2)
+            set_backward(model, "phantom", 2)
             half = x.shape[0] // 2
             alpha = model.fit_alpha(x[:half], "exact")
             loss = sm(model.with_alpha(alpha), x[half:]).loss
