@@ -2,7 +2,7 @@
 LightningModule per family and variant, built as the family's config builds it, with its own ``training_step``
 and optimisers (run outside a Trainer by :func:`benchmarks.lib.step.training_step`), and the batches it trains on.
 ``benchmarks.tools.profile_step`` profiles :data:`CASES`; the step-cost tables (``benchmarks.tools.step_cost``)
-build their modules with :func:`vae_module` and :func:`optimizer_of` too.
+build their modules with :func:`dkef_module`, :func:`ncsn_module` and :func:`vae_module` too.
 
 Only constructor arguments that every revision since b3facaa accepts are used, so ``profile_step --at REV`` can
 build the same cases from an older checkout of ``src`` and ``conf`` (:func:`snapshot`).
@@ -36,8 +36,9 @@ PAIRS = {"dkef": ("dkef/deq", "dkef/3-layer"), "nice": ("nice/deq-ssm", "nice/ss
 N_BATCHES = 4  # distinct batches each case cycles through (seeded)
 
 
-def _deq(enabled: bool, **overrides) -> dict:
-    """``conf/deq/true.yaml`` (``enabled`` switched as asked)."""
+def deq_settings(enabled: bool, **overrides) -> dict:
+    """``conf/deq/true.yaml`` (``enabled`` switched as asked; ``overrides`` on top): written out, so that a
+    revision whose ``src`` has another DEQ settings class builds the same block."""
     return {"enabled": enabled, "solver": "picard", "tol": 1e-5, "stop_mode": "abs", "max_iter": 128,
             "phantom_steps": 2, "warm_start": True, "norm_lambda": 2.0, "norm": "frobenius",
             "backward": "phantom", "anderson_m": 5, "anderson_beta": 1.0, "injection": None, **overrides}
@@ -48,6 +49,27 @@ def optimizer_of(family: str, root: Path = ROOT) -> dict:
     from omegaconf import OmegaConf
 
     return OmegaConf.to_container(OmegaConf.load(root / "conf" / "model" / f"{family}.yaml").optimizer)
+
+
+def dkef_module(dim: int, deq: bool, depth: int | None, loss: str = "sm", optimizer: dict | None = None,
+                **sizes):
+    """The ``model=dkef`` module on D = ``dim``: DEQ features (:func:`deq_settings`) or ``depth`` explicit layers,
+    the ``loss`` objective, ``sizes`` (``hidden``, ``deq_width``, …) as ``DKEFLitModule`` takes them."""
+    from src.lit.dkef import DKEFLitModule
+
+    extra = {} if optimizer is None else {"optimizer": optimizer}
+    return DKEFLitModule(dim, loss={"name": loss}, deq=deq_settings(deq), depth=depth, **extra, **sizes)
+
+
+def ncsn_module(arch: str, deq: bool, depth: int | None, ngf: int = 128, optimizer: dict | None = None,
+                loss: dict | None = None, deq_overrides: dict | None = None, **settings):
+    """The ``model=ncsn`` module at 3×32×32: ``arch`` (``deq``: the DEQ-ResBlock network, a DEQ or ``depth``
+    plain ResBlocks; ``refinenet``), ngf, the SSM-VR loss (``loss``), the optimiser of ``conf/model/ncsn.yaml``;
+    ``settings`` (``conditioning``, ``noise``) as ``NCSNLitModule`` takes them."""
+    from src.lit.ncsn import NCSNLitModule
+
+    return NCSNLitModule((3, 32, 32), loss=loss or {"name": "ssm_vr"}, deq=deq_settings(deq, **(deq_overrides or {})),
+                         depth=depth, arch=arch, ngf=ngf, optimizer=optimizer or optimizer_of("ncsn"), **settings)
 
 
 def vae_module(shape: tuple[int, ...], depth: int | None, deq: bool, latent: int = 32, channels: int = 64,
@@ -91,11 +113,8 @@ def build_case(case: str, root: Path, data_root: str | None = None):
     g = torch.Generator().manual_seed(0)
     family, variant = case.split("/")
     if family == "dkef":
-        from src.lit.dkef import DKEFLitModule
-
         rows, source = redwine_rows(data_root, 32 * N_BATCHES + 200, g)
-        module = DKEFLitModule(11, loss={"name": "sm"}, deq=_deq(variant == "deq"), depth=None,
-                               optimizer=optimizer_of("dkef", root))
+        module = dkef_module(11, variant == "deq", None, optimizer=optimizer_of("dkef", root))
         with torch.no_grad():  # inducing points at training points (the module's setup does this from its data)
             module.net.inducing.copy_(rows[-200:])
         batches = [rows[32 * k: 32 * (k + 1)] for k in range(N_BATCHES)]
@@ -103,16 +122,13 @@ def build_case(case: str, root: Path, data_root: str | None = None):
     elif family == "nice":
         from src.lit.nice import NICELitModule
 
-        module = NICELitModule(784, loss={"name": "ssm"}, deq=_deq(variant == "deq-ssm"), depth=None,
+        module = NICELitModule(784, loss={"name": "ssm"}, deq=deq_settings(variant == "deq-ssm"), depth=None,
                                optimizer=optimizer_of("nice", root))
         batches = [torch.logit(torch.rand(128, 784, generator=g).clamp(0.05, 0.95)) for _ in range(N_BATCHES)]
         facts = {"data": "random logit-space images", "D": 784, "batch": 128, "loss": "ssm (1 Rademacher)"}
     elif family == "ncsn":
-        from src.lit.ncsn import NCSNLitModule
-
-        module = NCSNLitModule((3, 32, 32), loss={"name": "ssm_vr"}, deq=_deq(variant == "deq"),
-                               depth=None if variant == "deq" else 1, arch="deq", ngf=128,
-                               optimizer=optimizer_of("ncsn", root))
+        module = ncsn_module("deq", variant == "deq", None if variant == "deq" else 1,
+                             optimizer=optimizer_of("ncsn", root))
         batches = [torch.rand(2, 3, 32, 32, generator=g) for _ in range(N_BATCHES)]
         facts = {"data": "uniform images", "shape": "3x32x32", "ngf": 128, "batch": 2, "loss": "ssm_vr (noise-conditional)"}
     elif family == "vae":

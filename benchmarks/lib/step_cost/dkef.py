@@ -28,7 +28,7 @@ import torch
 
 from benchmarks.lib.results import made_by
 from benchmarks.lib.step import device_name, measured
-from src.deq.config import DEQConfig
+from benchmarks.lib.step_cases import dkef_module
 from src.lit.dkef import DKEFLitModule
 from src.reporting import load_results, write_results
 
@@ -47,9 +47,9 @@ VARIANTS = [("DEQ", True, 1), ("3-layer", False, 3), ("8-layer", False, 8), ("16
 
 
 def build(dim: int, deq: bool, depth: int, hidden: int, deq_width: int, loss: str, device: str) -> DKEFLitModule:
-    deq_cfg = {"enabled": deq, **DEQConfig().to_dict()}  # the defaults of conf/deq/true.yaml (paper settings)
-    module = DKEFLitModule(dim, loss={"name": loss}, deq=deq_cfg, depth=depth, hidden=hidden, deq_width=deq_width)
-    return module.to(device)
+    """:func:`~benchmarks.lib.step_cases.dkef_module` (DEQ: ``conf/deq/true.yaml``, the paper's settings) on
+    ``device``."""
+    return dkef_module(dim, deq, depth, loss, hidden=hidden, deq_width=deq_width).to(device)
 
 
 def measure(module: DKEFLitModule, x_batches: list[torch.Tensor], warmup: int, device: str) -> dict:

@@ -46,8 +46,7 @@ from benchmarks.lib import paper
 from benchmarks.lib.jobs import run_process, thread_env
 from benchmarks.lib.results import machine_facts, made_by, note_lines
 from benchmarks.lib.step import measured, trainer_free, training_step
-from benchmarks.lib.step_cases import optimizer_of
-from src.deq.config import DEQConfig
+from benchmarks.lib.step_cases import ncsn_module
 from src.lit.ncsn import NCSNLitModule
 from src.reporting import load_results, markdown_table, write_results
 
@@ -69,10 +68,9 @@ def build(arch: str, deq: bool, depth: int | None, ngf: int, device: str, overri
     """The ``model=ncsn`` module at 3×32×32 with the SSM-VR loss and the optimiser of ``conf/model/ncsn.yaml``;
     DEQ settings: ``conf/deq/true.yaml``'s defaults (Picard, K = 2 phantom) with ``overrides``. Defaults: Table
     5's setting (10 levels 1 → 0.01, cond_norm, Rademacher projections); :data:`AUTHORS_SETTINGS` the authors'."""
-    deq_cfg = {"enabled": deq, **DEQConfig().to_dict(), **(overrides or {})}
-    return NCSNLitModule((3, 32, 32), loss={"name": "ssm_vr", "projection": projection}, deq=deq_cfg, depth=depth,
-                         arch=arch, ngf=ngf, optimizer=optimizer_of("ncsn"), conditioning=conditioning,
-                         noise={"sigma_begin": sigma_begin, "sigma_end": 0.01, "num_classes": levels}).to(device)
+    return ncsn_module(arch, deq, depth, ngf, loss={"name": "ssm_vr", "projection": projection}, deq_overrides=overrides,
+                       conditioning=conditioning,
+                       noise={"sigma_begin": sigma_begin, "sigma_end": 0.01, "num_classes": levels}).to(device)
 
 
 def measure(module: NCSNLitModule, batch: int, warmup: int, steps: int, device: str) -> dict:
