@@ -26,7 +26,7 @@ GRIDS = {
             "TwoRes-SSM-VR NCSN": ["deq=false", "depth=1"],
             "DEQ-SSM-VR NCSN": ["deq=true"],
             # each conv of the DEQ map normalised by its operator norm: contracts at ≈ 0.08 at init, not 3e-4;
-            # relative stopping tolerance (an absolute one meets float32's floor on large states: ncsn_memory.py);
+            # relative stopping tolerance (an absolute one meets float32's floor on large states: step_cost ncsn);
             # the exact implicit backward: with the phantom one (K = 2) this map's contraction rate rises in
             # training until the truncated SSM-VR loss parts from the real one (ncsn_phantom_bias.md)
             "DEQ-SSM-VR NCSN (spectral norm)": ["deq=true", "deq.norm=spectral", "deq.stop_mode=rel",
