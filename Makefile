@@ -20,7 +20,7 @@ lint:
 	ruff check src tests benchmarks
 
 bench:
-	$(PY) benchmarks/objectives_bench.py --quick
+	$(PY) -m benchmarks.tools.objectives_bench --quick
 
 clean:
 	rm -rf outputs multirun wandb lightning_logs .pytest_cache .ruff_cache

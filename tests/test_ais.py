@@ -69,7 +69,7 @@ def test_ais_is_a_lower_bound_of_the_linear_gaussian_log_likelihood_that_tighten
 
 def test_global_adaptation_also_bounds_at_evaluation_batch_sizes():
     """The reference's rule (adaptation from all 8 × 80 chains): its dependence on a chain's own past is
-    1/640 of the adaptation signal, invisible here (benchmarks/ais_bias.md measures it on MNIST)."""
+    1/640 of the adaptation signal, invisible here (benchmarks/results/ais_bias.md measures it on MNIST)."""
     log_lik, truth, x = linear_gaussian()
     assert_lower_bound_tightening(log_lik, truth, x, 2, (10, 300), n_chains=8, leapfrog=5, step_size=0.1,
                                   adaptation="global")

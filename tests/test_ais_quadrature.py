@@ -3,7 +3,7 @@ MLP, whose marginal likelihood is a 2-d integral done by quadrature (src/metrics
 
 The estimate must not sit above the truth (beyond 3 standard errors over the points) and the gap must
 shrink with T. The rule before the fix (each chain's step from its own accept history) was measured above
-the truth on such a decoder at T = 1000 and 3000 (benchmarks/ais_bias.md)."""
+the truth on such a decoder at T = 1000 and 3000 (benchmarks/results/ais_bias.md)."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def test_ais_is_a_lower_bound_of_a_nonlinear_decoder_that_tightens_with_t():
 
 @pytest.mark.slow
 def test_ais_mnist_decoder_stays_below_the_exact_value(shared_data):
-    """The issue's case (benchmarks/ais_bias.py at T = 1000): a random 2-64-64-784 Softplus decoder, first and
+    """The issue's case (benchmarks/studies/ais_bias.py at T = 1000): a random 2-64-64-784 Softplus decoder, first and
     last weights ×4, on 8 binarised MNIST test images, 16 chains — the rule before the fix measured +0.140 ±
     0.030 nats above the exact value here, the pilot rule −0.073 ± 0.052."""
     from src.data.mnist import load_mnist

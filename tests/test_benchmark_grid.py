@@ -1,8 +1,7 @@
-"""The paper-table grid runner (benchmarks/run_grid.py): job lists, tables and target checks on known numbers."""
+"""The paper-table grid runner (benchmarks/tools/run_grid.py): job lists, tables and target checks on known numbers."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
@@ -10,12 +9,9 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCH) not in sys.path:  # as ``python benchmarks/<script>.py`` has it: the scripts import ``_common``
-    sys.path.insert(0, str(BENCH))
-SPEC = importlib.util.spec_from_file_location("run_grid", BENCH / "run_grid.py")
-run_grid = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(run_grid)
+from benchmarks.lib import jobs, results, step
+from benchmarks.tools import dkef_paper_protocol as pp
+from benchmarks.tools import run_grid, training_curves
 
 
 class Args:
@@ -80,12 +76,6 @@ def test_targets_are_checked_with_the_right_ratios_and_verdicts():
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
-@pytest.mark.parametrize("grid", ["dkef", "nice"])
-def test_committed_tables_are_rebuilt_exactly_from_their_json(grid):
-    data = json.loads((RESULTS / f"{grid}.json").read_text())
-    assert run_grid.render(data, grid) == (RESULTS / f"{grid}.md").read_text()
-
-
 def test_render_rewrites_markdown_and_figures_from_the_json_alone(tmp_path):
     shutil.copy(RESULTS / "nice.json", tmp_path / "nice.json")
     run_grid.main(["nice", "--render", "--out", str(tmp_path)])
@@ -142,52 +132,8 @@ def test_old_rows_sit_beside_new_ones_and_nice_targets(tmp_path):
     assert old_row.endswith("-2548 / -1766 / 5.5 |")  # the paper's figures of the base method
 
 
-def _benchmark(name: str):
-    spec = importlib.util.spec_from_file_location(name, RESULTS.parent / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-@pytest.mark.parametrize("name, stem", [("ncsn_memory", "ncsn_memory"), ("ncsn_memory_cause", "ncsn_memory_cause"),
-                                        ("vae_memory", "vae_memory"), ("training_curves", "vae_mnist_curves"),
-                                        ("training_curves", "ncsn_mnist_curves"),
-                                        ("training_curves", "vae_mnist_curves_score_lr1e-4"),
-                                        ("training_curves", "vae_mnist_curves_lr1e-4"),
-                                        ("training_curves", "ncsn_mnist_curves_spectral_k8"),
-                                        ("training_curves", "ncsn_mnist_curves_spectral_k2"),
-                                        ("training_curves", "ncsn_mnist_curves_spectral_implicit"),
-                                        ("training_curves", "ncsn_mnist_curves_long"),
-                                        ("training_curves", "vae_mnist_curves_lr1e-4_seed1"),
-                                        ("training_curves", "vae_mnist_curves_lr1e-4_no_entropy"),
-                                        ("ncsn_sampler_drift", "ncsn_sampler_drift"),
-                                        ("ncsn_phantom_bias", "ncsn_phantom_bias"),
-                                        ("dkef_memory", "dkef_memory"), ("objectives_bench", "objectives"),
-                                        ("vae_estimator_depth", "vae_estimator_depth"),
-                                        ("vae_estimator_variance", "vae_estimator_variance"),
-                                        ("ais_bias", "ais_bias"), ("dkef_paper_protocol", "dkef_paper_protocol")])
-def test_other_committed_benchmark_tables_rebuild_exactly_from_their_json(name, stem):
-    """Every committed benchmark table is a pure function of its JSON (no hand edits, nothing lost)."""
-    if not (RESULTS / f"{stem}.json").exists():
-        pytest.skip(f"{stem}.json not committed")
-    data = json.loads((RESULTS / f"{stem}.json").read_text())
-    assert _benchmark(name).render(data) == (RESULTS / f"{stem}.md").read_text()
-
-
-def test_deq_solvers_table_rebuilds_exactly_from_its_json():
-    data = json.loads((RESULTS / "deq_solvers.json").read_text())
-    assert _benchmark("deq_solvers").render(data) == (RESULTS / "deq_solvers.md").read_text()
-
-
-def test_separation_report_renders_its_markdown_from_the_json(tmp_path):
-    for suffix in ("json", "md"):
-        shutil.copy(RESULTS / f"separation.{suffix}", tmp_path / f"separation.{suffix}")
-    _benchmark("separation_report").main(["--render", "--out", str(tmp_path)])
-    assert (tmp_path / "separation.md").read_text() == (RESULTS / "separation.md").read_text()
-
-
 def test_training_curves_records_where_training_and_evaluation_ran():
-    facts = _benchmark("training_curves").machine_facts
+    facts = training_curves.machine_facts
     assert "; device cpu, 1 torch thread(s)" in facts(1, [], [])
     assert "; device cuda" in facts(1, ["data.batch_size=32", "trainer.accelerator=gpu"], [])
     assert "; training on cpu, evaluation on cuda" in facts(2, [], ["trainer.accelerator=gpu"])
@@ -197,7 +143,7 @@ def test_training_curves_records_where_training_and_evaluation_ran():
 def test_training_curves_merge_joins_parts_of_one_protocol_and_refuses_others(tmp_path):
     """Variants run side by side as one process each come back as one result: every run and point kept, each
     part's command listed, sample grids renamed; parts of different protocols or a variant twice are refused."""
-    curves = _benchmark("training_curves")
+    curves = training_curves
     whole = json.loads((RESULTS / "ncsn_mnist_curves.json").read_text())
     names = list(whole["runs"])
     paths = []
@@ -227,11 +173,10 @@ def test_training_curves_merge_joins_parts_of_one_protocol_and_refuses_others(tm
         curves.merge([paths[0], paths[0]], tmp_path / "out", "joined")
 
 
-def test_common_runs_a_modules_own_training_step_outside_a_trainer():
-    """``_common.training_step`` is the module's training step with its configured optimiser: the same update
+def test_lib_runs_a_modules_own_training_step_outside_a_trainer():
+    """``benchmarks.lib.step.training_step`` is the module's training step with its configured optimiser: the same update
     as the module's objective, backward and that optimiser's step by hand; a manual-optimisation module (the
     VAE) updates both its optimisers inside its own step."""
-    import _common
     import torch
 
     from src.lit.dkef import DKEFLitModule
@@ -243,8 +188,8 @@ def test_common_runs_a_modules_own_training_step_outside_a_trainer():
         torch.manual_seed(0)
         modules.append(DKEFLitModule(2, loss={"name": "sm"}, n_inducing=4, feature_dim=3, hidden=4, depth=1,
                                      optimizer={"lr": 0.01}))
-    optimizers = _common.trainer_free(modules[0])
-    loss = _common.training_step(modules[0], x, optimizers)
+    optimizers = step.trainer_free(modules[0])
+    loss = step.training_step(modules[0], x, optimizers)
     opt = torch.optim.Adam(modules[1].parameters(), lr=0.01)
     reference = modules[1].training_objective(x).loss
     reference.backward()
@@ -258,35 +203,40 @@ def test_common_runs_a_modules_own_training_step_outside_a_trainer():
                        optimizer={"score": {"params": ["score_net"], "lr": 0.01},
                                   "vae": {"params": ["encoder", "decoder"], "lr": 0.01}})
     before = {n: p.detach().clone() for n, p in vae.named_parameters()}
-    optimizers = _common.trainer_free(vae)
-    assert len(optimizers) == 2 and _common.training_step(vae, torch.rand(4, 1, 4, 4).round(), optimizers) is None
+    optimizers = step.trainer_free(vae)
+    assert len(optimizers) == 2 and step.training_step(vae, torch.rand(4, 1, 4, 4).round(), optimizers) is None
     moved = {n.split(".")[0] for n, p in vae.named_parameters() if not torch.equal(p, before[n])}
     assert moved == {"encoder", "decoder", "score_net"}
 
 
-def test_common_train_job_reuses_a_finished_run_and_reruns_on_request(tmp_path, monkeypatch):
-    import _common
-
+def test_the_job_runner_reuses_a_finished_run_reruns_on_request_and_stops_at_its_time_limit(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
-    (run / "metrics.json").write_text("{}")
-    assert _common.train_job(["bogus=1"], run) == {"ok": True, "reused": True, "wall_s": None}
+    (run / "metrics.json").write_text('{"global_step": 3}')
+    assert jobs.train_job(["bogus=1"], run) == {"ok": True, "reused": True, "wall_s": None,
+                                                 "metrics": {"global_step": 3}}
     calls = []
-    monkeypatch.setattr(_common, "run_module", lambda entry, args, env=None, capture=True: (
-        calls.append((entry, args)) or (1, "Could not find 'model/no_such_model'")))
-    failed = _common.train_job(["model=no_such_model"], run, rerun=True)
-    assert calls == [("src.train", ["model=no_such_model", f"hydra.run.dir={run}"])]
+    monkeypatch.setattr(jobs, "run_process", lambda cmd, env=None, capture=True, timeout_s=None: (
+        calls.append(cmd) or {"code": 1, "wall_s": 0.1, "stdout": "", "stopped": False,
+                              "tail": "Could not find 'model/no_such_model'"}))
+    failed = jobs.train_job(["model=no_such_model"], run, rerun=True)
+    assert calls == [[sys.executable, "-m", "src.train", "model=no_such_model", f"hydra.run.dir={run}"]]
     assert not failed["ok"] and not failed["reused"] and "no_such_model" in failed["error"]
     assert not (run / "metrics.json").exists()  # --rerun removed the old result before running
     monkeypatch.undo()
-    code, tail = _common.run_module("json.tool", ["--no-such-flag"])  # a real process, its stderr's tail
+    code, tail = jobs.run_module("json.tool", ["--no-such-flag"])  # a real process, its stderr's tail
     assert code == 2 and "--no-such-flag" in tail
-    assert _common.script_command("x.py", ["--ckpt", "a b=c"]) == "python benchmarks/x.py --ckpt 'a b=c'"
+    slow = jobs.run_process([sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=1)
+    assert slow["stopped"] and slow["code"] is None and slow["wall_s"] < 30
+    assert results.script_command("benchmarks.tools.x", ["--ckpt", "a b=c"]) == (
+        "python -m benchmarks.tools.x --ckpt 'a b=c'")
+    assert results.made_by("python benchmarks/x.py --a", "old", "new") == "old"
+    assert results.made_by(None, "old", "new") == "old"
+    assert results.made_by("python -m benchmarks.tools.x", "old", "new") == "new"
 
 
 # ------------------------------------------------------------------ DKEF at the paper's protocol (issue 30)
 def test_paper_protocol_tail_summary_and_validation_curve(tmp_path):
-    pp = _benchmark("dkef_paper_protocol")
     values = [float(v) for v in range(-49, 51)]  # 100 points, the largest 2 dropped by the trimmed mean
     out = pp.tail_summary(values)
     assert out == {"n": 100, "mean": 0.5, "median": 0.5, "trimmed_mean": sum(values[:-2]) / 98, "max": 50.0}
@@ -297,7 +247,6 @@ def test_paper_protocol_tail_summary_and_validation_curve(tmp_path):
 
 
 def test_paper_protocol_table_and_verdicts_from_known_runs():
-    pp = _benchmark("dkef_paper_protocol")
 
     def run(method, seed, sm, ll, refit_sm, mb, s):
         return {"group": "redwine", "method": method, "seed": seed, "ok": True, "val_curve": [(9, sm + 1)],
@@ -319,7 +268,6 @@ def test_paper_protocol_table_and_verdicts_from_known_runs():
 def test_paper_protocol_add_keeps_saved_jobs_and_replaces_reruns():
     """``--add``: grids of a later session join the saved result (whose run directories are gone); a job of the
     same data set, method and seed replaces the saved one; every command that built the result is listed."""
-    pp = _benchmark("dkef_paper_protocol")
 
     def job(group, method, seed, sm):
         return {"group": group, "method": method, "seed": seed, "ok": True, "metrics": {"test/sm_loss": sm}}

@@ -1,21 +1,14 @@
-"""The multi-seed NCSN / SSM-VAE comparison (benchmarks/generative_seeds.py) on per-seed results with known numbers:
+"""The multi-seed NCSN / SSM-VAE comparison (benchmarks/tools/generative_seeds.py) on per-seed results with known numbers:
 seeds read from the commands, protocol checks, the equal-steps and equal-wall-time reads, the verdicts."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-if str(BENCH) not in sys.path:
-    sys.path.insert(0, str(BENCH))
-SPEC = importlib.util.spec_from_file_location("generative_seeds", BENCH / "generative_seeds.py")
-gs = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(gs)
+from benchmarks.tools import generative_seeds as gs
 
 DEQ, REFINE, TWORES = "DEQ-SSM-VR NCSN", "SSM-VR NCSN (RefineNet)", "TwoRes-SSM-VR NCSN"
 
@@ -69,7 +62,7 @@ def test_collect_groups_seeds_and_refuses_mixed_protocols(tmp_path):
 
 def test_equal_steps_equal_wall_time_and_verdicts(tmp_path):
     res = gs.collect([(p, json.loads(p.read_text())) for p in _three_seeds(tmp_path)])
-    res["meta"] |= {"command": "python benchmarks/generative_seeds.py ncsn", "name": "ncsn_mnist_seeds"}
+    res["meta"] |= {"command": "python -m benchmarks.tools.generative_seeds ncsn", "name": "ncsn_mnist_seeds"}
     budget = gs.wall_budget(res["runs"])
     assert budget == 200  # the DEQ's and TwoRes' 200 s; the RefineNet needs 400 s for its 200 steps
     slow = json.loads(json.dumps(res["runs"]))

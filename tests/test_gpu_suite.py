@@ -1,4 +1,4 @@
-"""benchmarks/gpu_suite.py --dry-run: the GPU suite's code path on the CPU at tiny sizes.
+"""benchmarks/tools/gpu_suite.py --dry-run: the GPU suite's code path on the CPU at tiny sizes.
 
 One dry run (in-process; its two ``python -m src.train`` jobs are subprocesses, as on a GPU) writes the JSON and
 markdown: every part is there, every row measured with finite positive figures (the CPU has no CUDA peak, and the
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.tools import gpu_suite
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import gpu_suite
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -72,7 +72,7 @@ def test_dry_run_writes_every_part(tmp_path, shared_data):
 def test_no_cuda_and_no_dry_run_exits_with_one_line():
     if __import__("torch").cuda.is_available():
         pytest.skip("a CUDA device is present")
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_suite.py"), "--budget-s", "10"],
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.tools.gpu_suite", "--budget-s", "10"],
                           check=False, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines() == [

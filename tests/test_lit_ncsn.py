@@ -178,7 +178,7 @@ def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_pa
     # src.evaluate re-tests the same share of the test set (the run's limit_test_batches): the same losses
     from src.runs.evaluation import evaluate
 
-    # (a checkpoint kept in another sub-folder of the run, as benchmarks/training_curves.py keeps them: the
+    # (a checkpoint kept in another sub-folder of the run, as benchmarks/tools/training_curves.py keeps them: the
     # results still go to the run directory)
     (run / "kept").mkdir()
     kept = run / "kept" / "step.ckpt"

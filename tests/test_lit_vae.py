@@ -92,7 +92,7 @@ def test_training_lowers_the_losses_and_resume_is_exact(tmp_path, shared_data):
 @pytest.mark.parametrize("exp,shape", [("vae_cifar10", (3, 32, 32)), ("vae_celeba", (3, 64, 64))])
 def test_image_experiments_compose_to_the_benchmarked_models(exp, shape):
     """experiment=vae_cifar10|vae_celeba build the conv SSM-VAE of Table 6 with a Gaussian decoder whose log σ
-    is learned, the paper's optimiser settings, and the same parameter counts as benchmarks/vae_memory.py."""
+    is learned, the paper's optimiser settings, and the same parameter counts as benchmarks/lib/step_cost/vae.py."""
     from hydra.utils import instantiate
 
     expected = {"vae_cifar10": (4_795_908, 6_435_332, 4_898_308), "vae_celeba": (16_246_532, 17_885_956, 16_348_932)}

@@ -1,23 +1,27 @@
-"""The index of benchmark results (benchmarks/results/README.md, written by benchmarks/results_index.py)."""
+"""The index of benchmark results (benchmarks/results/README.md, written by benchmarks/tools/results_index.py), and
+every committed table rebuilt byte for byte from its JSON by the command the index names."""
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import re
+import shlex
+import shutil
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-RESULTS = BENCH / "results"
-SPEC = importlib.util.spec_from_file_location("results_index", BENCH / "results_index.py")
-results_index = importlib.util.module_from_spec(SPEC)
-SPEC.loader.exec_module(results_index)
+import pytest
+
+from benchmarks.tools import results_index
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+TABLES = sorted(p.stem for p in RESULTS.glob("*.md") if p.stem != "README" and (RESULTS / f"{p.stem}.json").exists())
 
 
 def test_the_committed_index_is_what_the_generator_writes():
     assert (RESULTS / "README.md").read_text() == results_index.index(RESULTS), (
-        "benchmarks/results/README.md is out of date: run python benchmarks/results_index.py")
+        "benchmarks/results/README.md is out of date: run python -m benchmarks.tools.results_index")
 
 
 def test_every_results_file_is_linked_with_a_command_and_what_it_shows():
@@ -56,3 +60,24 @@ def test_commands_come_from_the_json_meta_then_the_table(tmp_path):
     assert results_index.main(["--results", str(tmp_path), "--check"]) == 1
     assert results_index.main(["--results", str(tmp_path)]) == 0
     assert results_index.main(["--results", str(tmp_path), "--check"]) == 0
+
+
+def test_every_table_with_a_json_is_rebuilt_by_a_tool_or_its_script_is_retired():
+    for stem in TABLES:
+        assert results_index.rebuild_command(stem) or stem in results_index.RETIRED, (
+            f"{stem}.md: no tool rebuilds it; add it to results_index.REBUILT_BY")
+    assert not set(results_index.RETIRED) & set(results_index.REBUILT_BY)
+    assert set(results_index.REBUILT_BY) <= set(TABLES), "REBUILT_BY names a result that is not committed"
+    assert "speed" in results_index.RETIRED and results_index.rebuild_command("speed") is None
+
+
+@pytest.mark.parametrize("stem", [s for s in TABLES if s not in results_index.RETIRED])
+def test_every_committed_table_rebuilds_byte_for_byte_from_its_json(stem, tmp_path):
+    """The index's rebuild command (``python -m <tool> … --render``), run on a copy of the committed JSON alone,
+    writes the committed markdown to the byte: no table was edited by hand, and no move of a script changed one."""
+    shutil.copy(RESULTS / f"{stem}.json", tmp_path / f"{stem}.json")
+    words = shlex.split(results_index.rebuild_command(stem))
+    assert words[:2] == ["python", "-m"] and "--render" in words
+    tool = importlib.import_module(words[2])
+    tool.main([*words[3:], "--out", str(tmp_path)])
+    assert (tmp_path / f"{stem}.md").read_bytes() == (RESULTS / f"{stem}.md").read_bytes()

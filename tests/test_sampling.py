@@ -149,7 +149,7 @@ def test_progress_is_called_once_per_langevin_step_and_changes_nothing():
 
 def test_on_level_end_sees_each_level_of_the_chain():
     """The hook gets the state after each level's T steps: its mean and variance follow the recursion level by
-    level (the diagnostics of benchmarks/ncsn_sampler_drift.py rely on it), and it does not change the run."""
+    level (the diagnostics of benchmarks/studies/ncsn_sampler_drift.py rely on it), and it does not change the run."""
     sigmas = geometric_sigmas(1.0, 0.01, 4)
     seen = []
     x0 = torch.rand(N, D, generator=torch.Generator().manual_seed(1), dtype=torch.float64)

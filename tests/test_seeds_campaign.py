@@ -1,4 +1,4 @@
-"""benchmarks/seeds_campaign.py: the multi-seed generative comparison as one command.
+"""benchmarks/tools/seeds_campaign.py: the multi-seed generative comparison as one command.
 
 The process pool (parts run N at a time, a failing part reported while the others go on), the protocol each part
 is given, and (slow) a whole dry run on MNIST: every part trained and tested, each seed merged, the seeds compared,
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.lib.jobs import run_parallel
+from benchmarks.tools import seeds_campaign
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import seeds_campaign
 
 
 def _job(tmp_path: Path, name: str, code: int) -> list[str]:
@@ -27,8 +28,9 @@ def _job(tmp_path: Path, name: str, code: int) -> list[str]:
 
 
 def test_parts_run_n_at_a_time_and_a_failure_does_not_stop_the_rest(tmp_path, capsys):
-    jobs = [(s, v, _job(tmp_path, f"p{s}{v}", 3 if (s, v) == (0, "b") else 0)) for s in (0, 1) for v in "ab"]
-    done = seeds_campaign.run_parts(jobs, parallel=2, log_dir=tmp_path / "logs", heartbeat_s=0.2)
+    jobs = [((s, v), _job(tmp_path, f"p{s}{v}", 3 if (s, v) == (0, "b") else 0), tmp_path / "logs" / f"p{s}{v}.log")
+            for s in (0, 1) for v in "ab"]
+    done = run_parallel(jobs, parallel=2, heartbeat_s=0.2)
     assert {k: r["code"] for k, r in done.items()} == {(0, "a"): 0, (0, "b"): 3, (1, "a"): 0, (1, "b"): 0}
     for (s, v), r in done.items():
         assert Path(r["log"]).read_text().strip() == f"ran p{s}{v}" and r["wall_s"] >= 0.6
@@ -37,7 +39,7 @@ def test_parts_run_n_at_a_time_and_a_failure_does_not_stop_the_rest(tmp_path, ca
     overlap = [sum(a <= t0 < b for a, b in spans) for t0, _ in spans]
     assert max(overlap) == 2
     out = capsys.readouterr().out
-    assert "seed 0 b: FAILED (exit 3" in out and "[4/4 finished]" in out and "running" in out
+    assert "(0, 'b'): FAILED (exit 3" in out and "[4/4 finished]" in out and "running" in out
 
 
 def test_each_part_gets_the_protocol_and_records_how_many_ran_at_once(tmp_path):

@@ -1,18 +1,17 @@
-"""benchmarks/separation_report.py: the seed grid (one job per model and seed, seed 0 = the default command),
+"""benchmarks/studies/separation_report.py: the seed grid (one job per model and seed, seed 0 = the default command),
 the aggregation of seeds into mean ± sd, and the committed report rebuilt from its JSON."""
 
 from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
+from benchmarks.studies import separation_report as sr
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import separation_report as sr
 
 
 def test_grid_has_every_trained_job_once_per_seed():

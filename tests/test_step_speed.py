@@ -4,14 +4,13 @@
   ``AUTO_REPLICATE_ROWS`` (else the loop), and gives the loop's loss and parameter gradients;
 - one training step computing the inducing points' features once (``DKEF.shared_inducing_features``) gives
   the loss and every parameter gradient of the step that computes them twice;
-- ``benchmarks/profile_step.py`` attributes every profiled operator of a DKEF step to one phase, and the α fit,
+- ``benchmarks/tools/profile_step.py`` attributes every profiled operator of a DKEF step to one phase, and the α fit,
   the score, the trace, the backward and the optimiser each get time.
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
 from pathlib import Path
 
 import pytest
@@ -96,11 +95,8 @@ def test_shared_inducing_features_give_the_same_step(kind, monkeypatch):
 
 
 def test_profile_step_phases_cover_a_dkef_step():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        import profile_step
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    from benchmarks.tools import profile_step
+
     res = profile_step.profile_case("dkef/3-layer", warmup=1, timed=0, data_root=None, top=5)
     phases = res["phases_ms"]
     assert set(phases) == set(profile_step.PHASE_NAMES)

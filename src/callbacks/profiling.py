@@ -12,7 +12,7 @@ For every training step it records:
 
 It also keeps ``train_time_s``, the summed wall time of all training steps so far (no validation, test or
 start-up), in its ``state_dict``: it is saved in every checkpoint and continued on resume, so a checkpoint
-says how much training time produced it (``benchmarks/training_curves.py`` plots metrics against it).
+says how much training time produced it (``benchmarks/tools/training_curves.py`` plots metrics against it).
 
 Figures are logged (``profile/*``) and summarised in :attr:`summary` (means over steps, skipping the first
 ``warmup_steps`` for time), which ``src.train`` writes into metrics.json.

@@ -52,7 +52,7 @@ def phantom_truncation(rate: float, phantom_steps: int) -> float:
     truncated value, and a network can lower the truncated loss in ways the exact loss does not reward: a
     spectrally normalised DEQ-NCSN trained with K = 2 raised ρ to 0.16 at 300 steps and 0.38 at 600, where its
     K = 2 SSM-VR loss read −728 and the exact one +417; trained with the implicit backward ρ stayed at 0.08–0.09
-    (benchmarks/ncsn_phantom_bias.py).
+    (benchmarks/studies/ncsn_phantom_bias.py).
     """
     rho = float(rate)
     if rho >= 1:

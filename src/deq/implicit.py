@@ -27,7 +27,7 @@ from torch.profiler import record_function
 
 from src.deq.solvers import SolverResult, solve
 
-# Profiler labels (benchmarks/profile_step.py groups a step's time by them; a no-op unless a profiler runs)
+# Profiler labels (benchmarks/tools/profile_step.py groups a step's time by them; a no-op unless a profiler runs)
 PHASE_SOLVE = "deq.solve"  # forward fixed-point solve (no autograd)
 PHASE_IMPLICIT_BACKWARD = "deq.implicit_backward"  # the implicit Function's backward: adjoint solve + VJP in p
 

@@ -36,7 +36,7 @@ from src.models.directional import directional_derivatives
 from src.models.features import build_feature_net
 
 ALPHA_FIT_MODES = ("exact", "sliced", "dsm")
-PHASE_ALPHA_FIT = "dkef.alpha_fit"  # profiler label of the closed-form α fit (benchmarks/profile_step.py)
+PHASE_ALPHA_FIT = "dkef.alpha_fit"  # profiler label of the closed-form α fit (benchmarks/tools/profile_step.py)
 
 
 class DKEFWithAlpha:

@@ -14,7 +14,7 @@ Why a second implementation. Written with plain autograd ops, the norm and its E
 tensors per call for backward (the input, the normalised x̂, the norm's output, ELU's output), and the SSM-VR
 step's ``create_graph`` backward keeps two more (the gradient flowing back through the multiplications and
 ELU's second derivative): six per norm, and at NCSN's 36–71 norms about half of the bytes the step saved
-(``benchmarks/ncsn_memory.py --profile``). :func:`norm_act` (``recompute=True``, the default) keeps two: its
+(``benchmarks/tools/step_cost.py ncsn --profile``). :func:`norm_act` (``recompute=True``, the default) keeps two: its
 input x (plus the ``[B, C]`` rows), from which it recomputes the cheap statistics in its backward, and the
 gradient arriving in that backward, which is itself a recomputing function, so the second backward of the
 ``create_graph`` step recomputes the rest. Its first and second derivatives are written out (``f.vjp`` and
@@ -26,7 +26,7 @@ to the vector-Jacobian product of the one before); float64 tests to third order:
 
 Inside the recomputations the tensors autograd keeps live only for the duration of that backward call
 (a workspace, freed before it returns); they are kept out of any ``saved_tensors_hooks`` active around the
-step (the saved-bytes meter of ``benchmarks/ncsn_memory.py`` and of ``src.callbacks.profiling`` counts what the
+step (the saved-bytes meter of ``benchmarks/tools/step_cost.py ncsn`` and of ``src.callbacks.profiling`` counts what the
 graph keeps between the forward and the backward, which is what recomputation shrinks).
 """
 

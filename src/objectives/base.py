@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.profiler import record_function
 
 PROJECTIONS = ("rademacher", "gaussian")
-# Profiler labels of an objective's phases (benchmarks/profile_step.py groups a step's time by them; a no-op
+# Profiler labels of an objective's phases (benchmarks/tools/profile_step.py groups a step's time by them; a no-op
 # unless a profiler runs): the score s(x) with its graph, and the derivatives of s w.r.t. x (the exact trace's D
 # reverse passes, the sliced objectives' projected ones), each with whatever runs inside (a DEQ solve keeps its own).
 PHASE_SCORE = "objective.score"

@@ -1,7 +1,7 @@
 """The reporting library: run metrics → grouped rows → mean ± std → markdown tables and figures.
 
 Both report front ends use it: ``python -m src.report`` (any sweep directories → one table) and
-``benchmarks/run_grid.py`` (the paper's grids, with the paper's numbers and target verdicts beside ours).
+``benchmarks/tools/run_grid.py`` (the paper's grids, with the paper's numbers and target verdicts beside ours).
 Everything here except :func:`load_run` and :func:`figure` is a pure function of plain dicts and lists, so
 a table can be rebuilt from a saved JSON file without the run directories.
 

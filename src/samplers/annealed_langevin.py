@@ -51,7 +51,7 @@ def annealed_langevin(score_fn: ScoreFn, x0: torch.Tensor, sigmas: Sequence[floa
         denoise: add the final denoising step x + σ_L²·s(x, L).
         generator: for the Langevin noise (reproducible samples).
         on_level_end: called as ``on_level_end(i, x)`` after the T steps of level i (diagnostics of the
-            trajectory, e.g. ``benchmarks/ncsn_sampler_drift.py``); it must not change ``x``.
+            trajectory, e.g. ``benchmarks/studies/ncsn_sampler_drift.py``); it must not change ``x``.
         progress: called as ``progress(1)`` after every Langevin step (L·T calls in all; e.g. a progress
             bar's ``update``). The denoising step is not counted.
     """

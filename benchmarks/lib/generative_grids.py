@@ -1,0 +1,38 @@
+"""The generative training-curve grids (``benchmarks.tools.training_curves``, ``seeds_campaign``,
+``generative_seeds``): per grid its experiment, its variants' overrides and the metrics each checkpoint is
+tested with."""
+
+# name -> (overrides, Lightning optimiser steps per model iteration)
+GRIDS = {
+    "vae": {
+        "experiment": "experiment=vae_mnist",
+        "steps_per_iteration": 2,  # one score-estimator update + one encoder/decoder update
+        "variants": {
+            "SSM VAE": ["deq=false", "depth=0"],
+            "Aug(8)-SSM VAE": ["deq=false", "depth=8"],
+            "Aug(16)-SSM VAE": ["deq=false", "depth=16"],
+            "DEQ-SSM VAE": ["deq=true"],
+        },
+        # what each checkpoint is tested with (on top of the run's config)
+        "metrics": [("test/fid", "FID", "{:.1f}"), ("test/log_likelihood", "AIS log p(x)", "{:.2f}"),
+                    ("test/recon_error", "recon −log p(x\\|z)", "{:.2f}"), ("test/score_ssm_loss", "SSM loss s(z\\|x)",
+                                                                          "{:.3f}")],
+    },
+    "ncsn": {
+        "experiment": "experiment=ncsn_mnist",
+        "steps_per_iteration": 1,
+        "variants": {
+            "SSM-VR NCSN (RefineNet)": ["model.arch=refinenet"],
+            "TwoRes-SSM-VR NCSN": ["deq=false", "depth=1"],
+            "DEQ-SSM-VR NCSN": ["deq=true"],
+            # each conv of the DEQ map normalised by its operator norm: contracts at ≈ 0.08 at init, not 3e-4;
+            # relative stopping tolerance (an absolute one meets float32's floor on large states: step_cost ncsn);
+            # the exact implicit backward: with the phantom one (K = 2) this map's contraction rate rises in
+            # training until the truncated SSM-VR loss parts from the real one (ncsn_phantom_bias.md)
+            "DEQ-SSM-VR NCSN (spectral norm)": ["deq=true", "deq.norm=spectral", "deq.stop_mode=rel",
+                                                "deq.backward=implicit"],
+        },
+        "metrics": [("test/fid", "FID", "{:.1f}"), ("test/dsm_loss", "test DSM loss", "{:.3f}"),
+                    ("test/ssm_vr_loss", "test SSM-VR loss", "{:.3f}")],
+    },
+}

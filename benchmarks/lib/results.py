@@ -1,0 +1,146 @@
+"""What a benchmark result is: where it lives, what it records, its files and their ``--render``.
+
+- paths: :data:`ROOT` (the repository), :data:`RESULTS` (``benchmarks/results``), :data:`DATA_ROOT` (the
+  default ``data.root``, the config's ``paths.data_dir``);
+- what a result records: :func:`machine_facts`, :func:`script_command` (``python -m benchmarks.<module> …``),
+  :func:`shown` and :func:`rel` (a command or path as a user types it: no path of this machine),
+  :func:`made_by` (what a table says made it);
+- result files: :func:`result_options` (``--out``, ``--name``, ``--render``), :func:`rendered` (``--render``: the
+  markdown rebuilt from the saved JSON, nothing run), :func:`note_lines`, :func:`fmt` (a ``mean ± std`` cell);
+- studies of trained checkpoints (``--ckpt LABEL=PATH …``): :func:`checkpoint_options` and
+  :func:`checkpoint_study`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "benchmarks" / "results"
+DATA_ROOT = ROOT / "data"
+
+
+def machine_facts() -> str:
+    """``"x86_64, 2 cores; python 3.11.7; torch 2.13.0; cpu, 1 thread(s)"``: the machine line of a result."""
+    import torch
+
+    return (f"{platform.machine()}, {os.cpu_count()} cores; python {platform.python_version()}; "
+            f"torch {torch.__version__}; cpu, {torch.get_num_threads()} thread(s)")
+
+
+def script_command(module: str, argv: Sequence[str] | None = None, data_root: str | None = None) -> str:
+    """``python -m <module> <argv>`` (this process's arguments by default), each argument quoted as a shell
+    needs it: the command a result records. ``module`` is the tool's or study's dotted name
+    (``benchmarks.tools.run_grid``); an argument equal to ``data_root`` is shown as ``<data dir>`` (a path of
+    this machine)."""
+    argv = sys.argv[1:] if argv is None else argv
+    shown_args = ["<data dir>" if data_root is not None and a == data_root else shlex.quote(a) for a in argv]
+    return " ".join(["python", "-m", module, *shown_args])
+
+
+def shown(cmd: Sequence[str]) -> str:
+    """A command as a user types it: ``python`` for this interpreter, repository-relative paths."""
+    parts = ["python", *cmd[1:]]
+    return " ".join(shlex.quote(p.replace(str(ROOT) + os.sep, "")) for p in parts)
+
+
+def rel(path: Path) -> str:
+    """A path as the recorded commands show it: relative to the repository when inside it (no path of this
+    machine in a committed result)."""
+    try:
+        return str(Path(path).resolve().relative_to(ROOT))
+    except ValueError:
+        return str(path)
+
+
+def result_options(ap: argparse.ArgumentParser, name: str | None = None) -> None:
+    """``--out`` (the results folder, default ``benchmarks/results``), ``--name`` (the result's file stem,
+    when ``name`` is given as its default) and ``--render`` (rebuild the markdown from the saved JSON)."""
+    ap.add_argument("--out", type=Path, default=RESULTS, help="results folder")
+    if name is not None:
+        ap.add_argument("--name", default=name, help="result file stem")
+    ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
+
+
+def rendered(args, stem: str, render: Callable[[dict], str]) -> bool:
+    """With ``--render``: ``<out>/<stem>.md`` rebuilt from ``<out>/<stem>.json`` (True: nothing else to do). With
+    ``--note FILE`` too: a finding written after the run, stored in the JSON's ``meta.note`` first."""
+    if not args.render:
+        return False
+    from src.reports.tables import load_results, rerender, write_results
+
+    if getattr(args, "note", None):
+        res = load_results(args.out, stem)
+        res["meta"]["note"] = Path(args.note).read_text()
+        write_results(args.out, stem, res, render)
+    else:
+        rerender(args.out, stem, render)
+    return True
+
+
+def made_by(recorded: str | None, legacy: str, current: str) -> str:
+    """How a table names what made it: ``legacy`` (its script's name before the benchmarks moved to
+    ``benchmarks/{tools,studies}``) when the recorded command ran that script or the result records none (the
+    committed tables made before the move, which must rebuild byte for byte), else ``current``."""
+    return legacy if not recorded or recorded.startswith("python benchmarks/") else current
+
+
+def fmt(values, digits, key):
+    """The ``mean ± std`` cell of one metric over seeds (bytes in MB)."""
+    from src.reports.tables import format_summary, summarise
+
+    return format_summary(key, *summarise(values), digits)
+
+
+def note_lines(meta: dict) -> list[str]:
+    """A result's ``--note`` (a finding, written below its table) as markdown lines, or none."""
+    return [meta["note"].strip(), ""] if meta.get("note") else []
+
+
+def checkpoint_options(ap: argparse.ArgumentParser, name: str, what: str) -> None:
+    """The options every study of trained checkpoints has: ``--ckpt LABEL=PATH`` (repeatable), ``--root``,
+    ``--n``, ``--seed``, ``--note``, ``--out``, ``--name`` (default ``name``), ``--render``."""
+    from src.reports.tables import labelled_checkpoint
+
+    ap.add_argument("--ckpt", action="append", default=[], type=labelled_checkpoint,
+                    help=f"LABEL=PATH of {what} (repeatable; split at the last =)")
+    ap.add_argument("--root", default=None, help="data.root")
+    ap.add_argument("--n", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
+    result_options(ap, name)
+
+
+def checkpoint_study(ap: argparse.ArgumentParser, args, module: str, render: Callable[[dict], str],
+                     measure: Callable[[object], dict], **meta) -> None:
+    """Run a study parsed with :func:`checkpoint_options`: ``measure(module)`` for each ``--ckpt`` (loaded by
+    ``src.sample.load_module``, torch threads from ``OMP_NUM_THREADS``), ``<out>/<name>.json`` and ``.md``
+    rewritten after each; ``meta`` (the study's settings) is recorded beside the machine and the command.
+    With ``--render`` only the markdown is rebuilt from the saved JSON."""
+    from src.reports.tables import write_results
+
+    if rendered(args, args.name, render):
+        return
+    if not args.ckpt:
+        ap.error("give at least one --ckpt LABEL=PATH")
+    import torch
+
+    from src.runs.load import load_module
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    overrides = [f"data.root={args.root}"] if args.root else []
+    res = {"meta": {"machine": machine_facts(), "command": script_command(module), "n": args.n, **meta,
+                    "seed": args.seed, "note": Path(args.note).read_text() if args.note else None},
+           "checkpoints": {}}
+    for label, path in args.ckpt:
+        module = load_module(path, overrides)[0]
+        res["checkpoints"][label] = {"checkpoint": path, **measure(module)}
+        write_results(args.out, args.name, res, render)
+        print(f"{label}: done", flush=True)
+    print(f"-> {Path(args.out) / args.name}.md")

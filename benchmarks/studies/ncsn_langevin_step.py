@@ -1,0 +1,231 @@
+"""Which Langevin step size for MNIST? FID of one NCSN checkpoint's samples over step_lr × T.
+
+``src.samplers.annealed_langevin`` takes the reference code's step x ← x + αᵢ·s + √(2αᵢ)·z, αᵢ = ε·σᵢ²/σ_L² (ε = ``step_lr``).
+This sweeps ε and T (steps per level) on ONE trained checkpoint, with the same seed for every setting (the
+same start x₀ and the same noise draws, so the settings differ only in ε and T), and reports the FID of
+``--n`` samples against ``--n`` test images on the shipped MNIST classifier's features — the protocol of
+``model.metrics.fid`` (``src/metrics/evaluation.py``: real images from ``split_tensor("test", n)``), with
+the FID of ``--n`` real training images against the same test images as the floor at this sample size.
+
+    python -m benchmarks.studies.ncsn_langevin_step --ckpt <run>/checkpoints/last.ckpt --root <data dir> \\
+        [--step-lr 5e-6 1e-5 2e-5 5e-5 1e-4] [--n-steps-each 10 30] [--n 300] [--seed 0] [--denoise]
+        [--grid-step-lr 5e-5 --grid-n-steps-each 30]   # also write a sample grid of that setting
+        [--keep-samples DIR]                            # each setting's images as DIR/eps<ε>_T<T>.pt
+    python -m benchmarks.studies.ncsn_langevin_step --render   # rebuild the markdown from the JSON
+    python -m benchmarks.studies.ncsn_langevin_step --merge A.json B.json [--name N]   # settings run side by side
+        [--keep-samples DIR --grid-step-lr ε --grid-n-steps-each T]   # + the grid of a kept setting
+
+Resumable: a setting already in the JSON is not sampled again. Writes ``<out>/<name>.json`` and ``.md``
+(default ``benchmarks/results/ncsn_langevin_step``) after every setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from benchmarks.lib.results import RESULTS, machine_facts, script_command
+from src.reports.tables import markdown_table, rerender, write_results
+
+
+def key_of(step_lr: float, n_steps_each: int) -> str:
+    return f"{step_lr:g}/{int(n_steps_each)}"
+
+
+def render(res: dict) -> str:
+    meta = res["meta"]
+    lines = ["# NCSN on MNIST: FID against the Langevin step size ε (step_lr) and steps per level T", "",
+             ("Step x ← x + αᵢ·s(x, i) + √(2αᵢ)·z, αᵢ = ε·σᵢ²/σ_L² (the NCSN/NCSNv2 reference code's; the paper's "
+             "Alg. 1 writes (α/2)·s + √α·z, i.e. its α is 2ε). Before this convention was fixed the project took "
+             "x + (ε/2)·s + √ε·z: an old ε equals a new ε/2 (the old `ncsn_mnist` default ε = 1·10⁻⁴ at T = 20 "
+             "is ε = 5·10⁻⁵ here; the curves' ε = 2·10⁻⁴ at T = 10 is ε = 1·10⁻⁴ here)."), "",
+             "Commands:", "", "```bash", *meta.get("commands", [meta.get("command")]), "```", "",
+             f"Checkpoint trained with: `{meta['train_command']}`", "",
+             f"Machine: {meta['machine']}", "",
+             (f"{meta['n']} samples per setting (seed {meta['seed']}: the same start and noise draws for every "
+              f"setting), FID against {meta['n']} test images on the MNIST classifier features; final denoising "
+              f"step {'on' if meta['denoise'] else 'off'}. Reference: FID of {meta['n']} real training images "
+              f"against the same test images: {meta['real_fid']:.1f} (the floor at this sample size)."), ""]
+    steps = sorted({r["n_steps_each"] for r in res["settings"].values()})
+    lrs = sorted({r["step_lr"] for r in res["settings"].values()})
+    head = ["ε (step_lr)", *[f"FID, T = {t}" for t in steps], *[f"pixels outside [0, 1], T = {t}" for t in steps]]
+    rows = []
+    for lr in lrs:
+        cells = [f"{lr:g}"]
+        for field, fmt in (("fid", "{:.1f}"), ("outside", "{:.1%}")):
+            for t in steps:
+                r = res["settings"].get(key_of(lr, t))
+                cell = fmt.format(r[field]) if r else "—"
+                if r and field == "fid" and "fid_boot_sd" in r:
+                    cell += f" ± {r['fid_boot_sd']:.0f}"
+                cells.append(cell)
+        rows.append(cells)
+    lines += markdown_table(head, rows) + [""]
+    if meta.get("bootstrap_draws"):
+        lines += [(f"± : the standard deviation of the FID over {meta['bootstrap_draws']} bootstrap resamples of the "
+                   "setting's samples (test-image statistics fixed), the sampling noise of one FID at this n."), ""]
+    lines += ["Sampling seconds per setting: " + ", ".join(
+        f"ε {r['step_lr']:g} T {r['n_steps_each']}: {r['seconds']:.0f}" for r in res["settings"].values()), ""]
+    if meta.get("grid"):
+        lines += [(f"Samples at ε = {meta['grid']['step_lr']:g}, T = {meta['grid']['n_steps_each']} (the first 64 of "
+                  f"the FID set): ![samples]({meta['grid']['file']})"), ""]
+    if meta.get("note"):
+        lines += [meta["note"].strip(), ""]
+    return "\n".join(lines)
+
+
+def merge(parts: list[dict]) -> dict:
+    """One result from several processes' results of the same checkpoint and protocol (settings joined)."""
+    same = ("checkpoint", "n", "seed", "denoise", "real_fid")
+    first = parts[0]["meta"]
+    for part in parts[1:]:
+        diff = [k for k in same if part["meta"].get(k) != first.get(k)]
+        if diff:
+            raise SystemExit(f"cannot merge results that differ in {diff}")
+    meta = {**first, "commands": [c for p in parts for c in p["meta"].get("commands", [p["meta"]["command"]])]}
+    meta.pop("command", None)
+    for part in parts:
+        meta["grid"] = part["meta"].get("grid") or meta.get("grid")
+        meta["note"] = part["meta"].get("note") or meta.get("note")
+    return {"meta": meta, "settings": {k: v for p in parts for k, v in p["settings"].items()}}
+
+
+def bootstrap_sd(res: dict, folder: Path, draws: int, root: str | None, trust: bool = False) -> None:
+    """Each kept setting's FID noise: the standard deviation of its FID over ``draws`` bootstrap resamples of
+    its samples (real statistics fixed), stored as ``fid_boot_sd``."""
+    import torch
+
+    from src.metrics.fid import build_fid
+    from src.runs.load import load_module
+
+    _, dm, _, _ = load_module(res["meta"]["checkpoint"], [f"data.root={root}"] if root else [],
+                              **({"trust": True} if trust else {}))
+    fid = build_fid("mnist", reset_real_features=False)
+    fid.update(dm.to_pixels(dm.split_tensor("test", res["meta"]["n"])).float(), real=True)
+    g = torch.Generator().manual_seed(0)
+    for r in res["settings"].values():
+        path = folder / f"eps{r['step_lr']:g}_T{r['n_steps_each']}.pt"
+        if not path.exists():
+            continue
+        images = torch.load(path, weights_only=True)
+        values = []
+        for _ in range(draws):
+            fid.reset()
+            fid.update(images[torch.randint(len(images), (len(images),), generator=g)], real=False)
+            values.append(float(fid.compute()))
+        r["fid_boot_sd"] = float(torch.tensor(values).std())
+    res["meta"]["bootstrap_draws"] = draws
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ckpt", help="an NCSN checkpoint (model=ncsn) with its run directory's .hydra config")
+    ap.add_argument("--root", default=None, help="data.root for the real images")
+    ap.add_argument("--step-lr", type=float, nargs="+", default=[5e-6, 1e-5, 2e-5, 5e-5, 1e-4])
+    ap.add_argument("--n-steps-each", type=int, nargs="+", default=[10, 30])
+    ap.add_argument("--n", type=int, default=300, help="samples per setting = test images compared with")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--denoise", action=argparse.BooleanOptionalAction, default=True,
+                    help="final denoising step (ncsn_mnist's setting)")
+    ap.add_argument("--grid-step-lr", type=float, default=None)
+    ap.add_argument("--grid-n-steps-each", type=int, default=None)
+    ap.add_argument("--trust-checkpoint", action="store_true",
+                    help="load a checkpoint that holds pickled objects beyond tensors (only a file you trust)")
+    ap.add_argument("--keep-samples", default=None, help="a folder: save each setting's images there (.pt)")
+    ap.add_argument("--bootstrap", type=int, default=0,
+                    help="with --merge and --keep-samples: FID's bootstrap standard deviation over this many draws")
+    ap.add_argument("--train-command", default="", help="recorded in the results: how the checkpoint was trained")
+    ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--name", default="ncsn_langevin_step")
+    ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
+    ap.add_argument("--merge", nargs="+", default=None, help="run nothing: join results JSONs of one checkpoint")
+    args = ap.parse_args(argv)
+    if args.render:
+        rerender(args.out, args.name, render)
+        return
+    if args.merge:
+        res = merge([json.loads(Path(p).read_text()) for p in args.merge])
+        if args.keep_samples and args.grid_step_lr is not None and args.grid_n_steps_each is not None:
+            import torch
+
+            from src.callbacks.samples import save_image_grid
+
+            lr, t = args.grid_step_lr, args.grid_n_steps_each
+            images = torch.load(Path(args.keep_samples) / f"eps{lr:g}_T{t}.pt", weights_only=True)
+            save_image_grid(images[:64], Path(args.out) / f"{args.name}_samples.png")
+            res["meta"]["grid"] = {"step_lr": lr, "n_steps_each": t, "file": f"{args.name}_samples.png"}
+        if args.keep_samples and args.bootstrap:
+            bootstrap_sd(res, Path(args.keep_samples), args.bootstrap, args.root, args.trust_checkpoint)
+        res["meta"]["commands"].append(script_command("benchmarks.studies.ncsn_langevin_step"))
+        write_results(args.out, args.name, res, render)
+        return
+    if not args.ckpt:
+        ap.error("give --ckpt PATH")
+    if args.n < 2:
+        ap.error("--n must be at least 2")
+    import torch
+
+    from src.metrics.fid import build_fid
+    from src.runs.load import load_module
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    trust = {"trust": True} if args.trust_checkpoint else {}
+    module, dm, _, _ = load_module(args.ckpt, [f"data.root={args.root}"] if args.root else [], **trust)
+    if not hasattr(module, "net") or not hasattr(module.net, "sigmas"):
+        raise SystemExit(f"{args.ckpt}: not an NCSN checkpoint (model=ncsn)")
+    json_path = Path(args.out) / f"{args.name}.json"
+    res = json.loads(json_path.read_text()) if json_path.exists() else {"settings": {}}
+    if res.get("meta", {}).get("checkpoint") not in (None, args.ckpt) or res.get("meta", {}).get("n") not in (None, args.n):
+        raise SystemExit(f"{json_path} holds another checkpoint or --n: choose another --name")
+    fid = build_fid("mnist", reset_real_features=False)
+    real = dm.to_pixels(dm.split_tensor("test", args.n)).float()
+    fid.update(real, real=True)
+    if res.get("meta", {}).get("real_fid") is None:
+        fid.update(dm.to_pixels(dm.split_tensor("train", args.n)).float(), real=False)
+        real_fid = float(fid.compute())
+        fid.reset()
+    else:
+        real_fid = res["meta"]["real_fid"]
+    res["meta"] = {**res.get("meta", {}),
+                   "machine": machine_facts(), "command": script_command("benchmarks.studies.ncsn_langevin_step"),
+                   "train_command": args.train_command, "checkpoint": args.ckpt, "n": args.n, "seed": args.seed,
+                   "denoise": bool(args.denoise), "real_fid": real_fid,
+                   "note": Path(args.note).read_text() if args.note else None}
+    settings = [(lr, t) for t in args.n_steps_each for lr in args.step_lr]
+    grid = (args.grid_step_lr, args.grid_n_steps_each)
+    if None not in grid and grid not in settings:
+        settings.append(grid)
+    for lr, t in settings:
+        want_grid = (lr, t) == grid
+        if key_of(lr, t) in res["settings"] and not want_grid:
+            continue
+        module.sampling = {**module.sampling, "step_lr": lr, "n_steps_each": t, "denoise": bool(args.denoise)}
+        start = time.perf_counter()
+        y = module.sample(args.n, generator=torch.Generator().manual_seed(args.seed))
+        seconds = time.perf_counter() - start
+        outside = float(((y < 0) | (y > 1)).float().mean())  # model space = [0, 1] pixels for MNIST
+        images = dm.to_pixels(y).float()
+        if args.keep_samples:
+            Path(args.keep_samples).mkdir(parents=True, exist_ok=True)
+            torch.save(images, Path(args.keep_samples) / f"eps{lr:g}_T{t}.pt")
+        fid.reset()
+        fid.update(images, real=False)
+        res["settings"][key_of(lr, t)] = {"step_lr": lr, "n_steps_each": t, "fid": float(fid.compute()),
+                                          "outside": outside, "seconds": seconds}
+        if want_grid:
+            from src.callbacks.samples import save_image_grid
+
+            path = Path(args.out) / f"{args.name}_samples.png"
+            save_image_grid(images[:64], path)
+            res["meta"]["grid"] = {"step_lr": lr, "n_steps_each": t, "file": path.name}
+        write_results(args.out, args.name, res, render)
+        print(f"eps {lr:g} T {t}: FID {res['settings'][key_of(lr, t)]['fid']:.1f} ({seconds:.0f} s)", flush=True)
+    print(f"-> {json_path.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()

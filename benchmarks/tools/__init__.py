@@ -1,0 +1,1 @@
+"""Reusable, tested command-line tools: ``python -m benchmarks.tools.<name> --help``."""

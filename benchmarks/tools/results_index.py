@@ -1,0 +1,294 @@
+"""Write ``benchmarks/results/README.md``: every table, figure and data file in ``benchmarks/results`` with the
+command that made it, the command that rebuilds its table now, and what it shows.
+
+    python -m benchmarks.tools.results_index            # rewrite the index
+    python -m benchmarks.tools.results_index --check    # exit 1 (and say which) when the index is out of date
+
+A result is a stem: ``<stem>.md`` (the table) and/or ``<stem>.json`` (its data; the table is rebuilt from it
+with the script's ``--render``), plus its figures ``<stem>.png`` and ``<stem>_*.png``. Its command is read
+from the JSON (``meta.command``, ``meta.commands`` of merged parts, or each section's ``meta.command``), else
+from the table's header; the data root in it is shown as ``<data root>`` (a path of the machine that ran it).
+That command is history: a result made before the benchmarks moved to ``benchmarks/{tools,studies}`` records
+``python benchmarks/<script>.py``. :func:`rebuild_command` is how its table is rebuilt from its JSON today
+(:data:`REBUILT_BY`; ``tests/test_results_index.py`` rebuilds every table with it and compares byte for byte); a
+result whose script was retired (:data:`RETIRED`) names the last commit that had it.
+What it shows is :data:`SHOWS` (one line a result; a new result without an entry shows its table's title).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+from benchmarks.lib.results import RESULTS
+
+INDEX = "README.md"
+CURVES = re.compile(r"(vae|ncsn)_mnist_curves")
+# the tool or study whose --render rebuilds each result's table from its JSON (besides the training curves,
+# :data:`CURVES`: ``benchmarks.tools.training_curves <grid> --render --name <stem>``)
+REBUILT_BY = {
+    "ais_bias": "benchmarks.studies.ais_bias --render",
+    "ais_bias_vae": "benchmarks.studies.ais_bias --render --name ais_bias_vae",
+    "deq_solvers": "benchmarks.studies.deq_solvers --render",
+    "dkef": "benchmarks.tools.run_grid dkef --render",
+    "dkef_memory": "benchmarks.tools.step_cost dkef --render",
+    "dkef_paper_protocol": "benchmarks.tools.dkef_paper_protocol --render",
+    "gpu_suite": "benchmarks.tools.gpu_suite --render",
+    "ncsn_langevin_step": "benchmarks.studies.ncsn_langevin_step --render",
+    "ncsn_memory": "benchmarks.tools.step_cost ncsn --render",
+    "ncsn_memory_cause": "benchmarks.studies.ncsn_memory_cause --render",
+    "ncsn_phantom_bias": "benchmarks.studies.ncsn_phantom_bias --render",
+    "ncsn_sampler_drift": "benchmarks.studies.ncsn_sampler_drift --render",
+    "nice": "benchmarks.tools.run_grid nice --render",
+    "objectives": "benchmarks.tools.objectives_bench --render",
+    "profile_step": "benchmarks.tools.profile_step --render",
+    "separation": "benchmarks.studies.separation_report --render",
+    "vae_estimator_depth": "benchmarks.studies.vae_estimator_depth --render",
+    "vae_estimator_variance": "benchmarks.studies.vae_estimator_variance --render",
+    "vae_memory": "benchmarks.tools.step_cost vae --render",
+}
+# results whose script was retired: (the script, the last commit that had it, why)
+RETIRED = {
+    "speed": ("benchmarks/speed.py", "108c9b8", ("the before/after step times of issue 26's change, its "
+                                                 "\"before\" pinned to b3facaa; `benchmarks.tools.profile_step "
+                                                 "--at REV` times the same steps at any commit")),
+}
+
+# what each result shows, one line (the paper's table or the question it answers)
+SHOWS = {
+    "ais_bias": "AIS log p(x) against the exact one (quadrature over a 2-d latent) on a Bernoulli decoder: the "
+                "error in nats and how often the estimate lies above the truth, per step-size rule and number of "
+                "steps T.",
+    "deq_solvers": "Forward solvers (Picard, Anderson, Broyden): iterations and time to tolerance, cold and "
+                   "warm-started, on a trained DKEF block, a NICE-sized block and a slow rank-one block, at λ = 2 "
+                   "and 1.1.",
+    "dkef": "Paper Tables 2-3 and Figures 2-3: DKEF on UCI (RedWine, WhiteWine, Parkinsons) and Gaussian D = 100, "
+            "200 — test SM loss, LL, Fisher divergence, saved memory and time per method, the paper's figures beside "
+            "ours and the targets checked.",
+    "dkef_paper_protocol": "Issue 30: DKEF at the paper's protocol (RedWine, WhiteWine, Parkinsons; 300 epochs, "
+                           "batch 128, M = 200, 10⁶ importance samples), 3 seeds per method where run: test SM / "
+                           "LL as trained and after the "
+                           "reference's final λ refit, the per-point tail of the test SM loss, seed-band learning "
+                           "curves, a verdict per §4.2 claim, and the controlled runs on the gap to the paper.",
+    "dkef_memory": "Memory and time of one DKEF training step: DEQ features vs explicit 3-, 8- and 16-layer "
+                   "features (the paper's headline ratio).",
+    "dkef_softplus_injection": "The DKEF grid as committed before the linear DEQ injection (softplus "
+                               "injection): the `— old` rows of `dkef.md` (`--old`).",
+    "gpu_suite": "One run of `benchmarks/tools/gpu_suite.py` on a lent H100 (170 s budget): paper Tables 1 and 5 at batch "
+                 "128 (peak CUDA memory, saved-for-backward bytes, s/iter), DDP on the one GPU present, a short "
+                 "NCSN MNIST FID run. Its DEQ rows hit the 128-iteration cap (absolute tolerance 1e-5 at the "
+                 "CIFAR-10 size in float32), so their s/iter is an upper bound.",
+    "ncsn_memory": "NCSN at the CIFAR-10 size, RefineNet vs TwoRes vs DEQ: one SSM-VR step at the paper authors' "
+                   "settings (232 levels, both conditionings, before/after the recomputing norm; saved bytes, max "
+                   "RSS, s/step beside their code's, profile), and Table 5's setting (score graph and step).",
+    "ncsn_memory_cause": "Score-graph memory of deqsm's NCSN variants and of the authors' code's networks: is the "
+                         "architecture the cause of the 0.5 vs 0.28 memory-ratio gap?",
+    "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "
+                         "steps and wall time for RefineNet, TwoRes, DEQ and DEQ (spectral norm); sample grids."
+                         " Measured before issue 29 (the old half Langevin step).",
+    "ncsn_mnist_curves_corrected": "`ncsn_mnist_curves` re-run after issue 29 (the reference's Langevin step at "
+                                   "step_lr 2e-5, T = 20); before/after in `notes/issue29_remeasure.md`.",
+    "ncsn_mnist_curves_long": "The NCSN MNIST curves to 2000-3000 steps (RefineNet, TwoRes, DEQ with spectral norm "
+                              "and the implicit backward), one process per variant, merged."
+                              " Measured before issue 29 (the old half Langevin step).",
+    "ncsn_mnist_curves_spectral_implicit": "DEQ-NCSN (spectral norm) trained with the implicit backward "
+                                           "(`deq.backward=implicit`), 600 steps."
+                                           " Measured before issue 29 (the old half Langevin step).",
+    "ncsn_mnist_curves_spectral_k2": "DEQ-NCSN (spectral norm) with K = 2 phantom steps (the default), 600 steps."
+                                     " Measured before issue 29 (the old half Langevin step).",
+    "ncsn_mnist_curves_spectral_k8": "DEQ-NCSN (spectral norm) with K = 8 phantom steps, 600 steps."
+                                     " Measured before issue 29 (the old half Langevin step).",
+    "ncsn_phantom_bias": "Per checkpoint: the SSM-VR loss with the phantom backward (K = 1, 2, 4, 8) vs the exact "
+                         "implicit one, and the learned map's contraction rate.",
+    "ncsn_sampler_drift": "Annealed Langevin trajectories vs noisy data per noise level: the network's predicted "
+                          "noise and the pixel statistics along the sampler.",
+    "nice": "Paper Table 4 and a figure: NICE on MNIST, SSM vs DEQ-SSM (3 seeds) and the MLE / CP / DSM "
+            "baselines — test SM loss, LL, bits/dim, saved memory, time; the targets checked.",
+    "nice_softplus_injection": "The NICE grid as committed before the linear DEQ injection (softplus "
+                               "injection): the `— old` rows of `nice.md` (`--old`).",
+    "nice_parts/nice_cuda_seed0": "A part of the NICE grid run on a GPU (seed 0, `--device cuda`).",
+    "notes/dkef_paper_protocol": "The note printed above `dkef_paper_protocol.md` (`--note`): what ran where, "
+                                 "and the controlled runs that isolate the gap to the paper's DEQ-SM row (the "
+                                 "α/λ refit, early stopping, the per-point tail, the optimiser, the split and the "
+                                 "whitening, the LL estimator).",
+    "notes/dkef_issue14": "The note printed above `dkef.md`'s tables (`--note`): the DEQ rows re-measured with "
+                          "the linear injection.",
+    "notes/issue29_remeasure": "Before/after of the NCSN and VAE MNIST curves re-measured with the corrected "
+                               "Langevin step, AIS and VAE estimator (issue 29), and what else differs.",
+    "notes/nice_issue14": "The note printed above `nice.md`'s tables (`--note`): NICE Table 4 with the linear "
+                          "injection, 3 seeds.",
+    "objectives": "Time of one training step of each score-matching objective and exact-trace route at D = 11 to "
+                  "784, and the routes' agreement in float64.",
+    "separation": "The studies of *Separation and Bias of Deep Equilibrium Models* (NeurIPS 2024): each claim "
+                  "beside what was measured (linear regions, steep functions, implicit bias, GOTU, high "
+                  "frequencies).",
+    "vae_estimator_depth": "Does a deep MLP score estimator s(z|x) learn? Depth × learning rate on a known "
+                           "conditional Gaussian score.",
+    "vae_estimator_variance": "SSM vs SSM-VR on the MNIST SSM-VAE's score estimator: spread of the batch loss and "
+                              "variance of the score net's gradient over projection draws, at initialisation and "
+                              "after training with each estimator.",
+    "vae_memory": "Paper Table 1 at the CIFAR-10 and CelebA sizes: parameters, saved bytes and time of one SSM-VAE "
+                  "training iteration, SSM VAE vs Aug(8), Aug(16), DEQ.",
+    "vae_mnist_curves_corrected": "`vae_mnist_curves` re-run after issue 29 (SSM-VR, RMSprop, pilot-adapted "
+                                  "AIS; AIS on 500 test images at the last checkpoint); before/after in "
+                                  "`notes/issue29_remeasure.md`.",
+    "vae_mnist_curves": "Paper Table 1 protocol on binarised MNIST, 12000 steps: FID, AIS log p(x), "
+                        "reconstruction and the estimator's SSM loss against steps for SSM VAE, Aug(8), Aug(16) and "
+                        "DEQ; sample grids."
+                        " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
+    "vae_mnist_curves_lr1e-4": "The VAE curves with both learning rates 1e-4, 24000 steps, AIS on 100 test images "
+                               "at the last checkpoint."
+                               " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
+    "vae_mnist_curves_lr1e-4_no_entropy": "The SSM VAE without the entropy term (`model.entropy_weight=0`), "
+                                          "lr 1e-4, 24000 steps: what the score estimator contributes."
+                                          " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
+    "vae_mnist_curves_lr1e-4_seed1": "The lr 1e-4 VAE curves again with seed 1."
+                                     " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
+    "vae_mnist_curves_score_lr1e-4": "The VAE curves with the score estimator's learning rate 1e-4, 12000 steps."
+                                     " Measured before issue 29 (SSM + Adam, per-chain-adapted AIS).",
+}
+FIGURES = {  # figures whose name does not say what they show
+    "dkef_paper_protocol_curves": "validation exact SM loss against training steps per method, mean over seeds "
+                                  "with a min-max band",
+    "dkef_fig2_uci": "paper Figure 2: test SM loss, LL, memory and time per method on the UCI data sets",
+    "dkef_fig3_gaussian": "paper Figure 3: the same on Gaussian D = 100, 200, with the Fisher divergence",
+    "nice_mnist": "test SM loss, LL, memory and time per method",
+    "separation_gotu_features": "GOTU: feature heatmaps of the FFNs, the DEQs and the diagonal network",
+    "separation_implicit_bias": "Theorem 3: the diagonal linear DEQ's run against its predicted limit",
+    "separation_regions": "Theorem 1: linear regions against width (construction) and FFN regions / L∞ "
+                          "against depth",
+    "separation_regions_deq_fit": "Theorem 1: the hand-built DEQ's fit",
+    "separation_regions_trained_deq_fit": "Theorem 1: a 6-neuron DEQ trained on the sawtooth (seed 0)",
+    "separation_signal": "high frequencies: relative error per tone",
+    "separation_steep": "Theorem 2: L∞ error and weight ∞-norm against d",
+}
+_ROOT_ARG = re.compile(r"(--root[ =]|data\.root=)(?!<)('[^']*'|\S+)")
+
+
+def _portable(command: str) -> str:
+    """The command with its data root shown as ``<data root>``, pipes escaped for a table cell."""
+    return _ROOT_ARG.sub(lambda m: m.group(1) + "<data root>", command).replace("|", "\\|")
+
+
+def commands_of(stem: str, results: Path) -> list[str]:
+    """The command(s) that made a result: from its JSON's meta, else the first one its table quotes."""
+    out: list[str] = []
+    js = results / f"{stem}.json"
+    if js.exists():
+        data = json.loads(js.read_text())
+        metas = [data.get("meta")] if isinstance(data.get("meta"), dict) else [
+            v["meta"] for v in data.values() if isinstance(v, dict) and isinstance(v.get("meta"), dict)]
+        for meta in metas:
+            found = meta.get("commands") or meta.get("command")
+            for c in [found] if isinstance(found, str) else found or []:
+                if c.strip() and c.strip() not in out:
+                    out.append(c.strip())
+    md = results / f"{stem}.md"
+    if not out and md.exists():
+        m = re.search(r"`((?:python )?benchmarks/[^`]+)`", md.read_text())
+        if m:
+            out.append(m.group(1) if m.group(1).startswith("python ") else "python " + m.group(1))
+    return out
+
+
+def rebuild_command(stem: str) -> str | None:
+    """``python -m <tool> … --render`` that rebuilds ``<stem>.md`` from ``<stem>.json`` (None: no such tool)."""
+    curves = CURVES.match(stem)
+    if curves:
+        return f"python -m benchmarks.tools.training_curves {curves.group(1)} --render --name {stem}"
+    return f"python -m {REBUILT_BY[stem]}" if stem in REBUILT_BY else None
+
+
+def title_of(md: Path) -> str:
+    for line in md.read_text().splitlines():
+        if line.startswith("# "):
+            return line[2:].strip()
+    return ""
+
+
+def results_of(results: Path) -> dict[str, dict]:
+    """``{stem: {"files": [...], "figures": {name: stem}}}`` for every file under ``results`` (but the index)."""
+    files = sorted(p.relative_to(results).as_posix() for p in results.rglob("*")
+                   if p.is_file() and p.name != INDEX)
+    stems = sorted({f.rsplit(".", 1)[0] for f in files if f.endswith((".md", ".json"))}, key=len, reverse=True)
+    out: dict[str, dict] = {}
+    for f in files:
+        base = f.rsplit(".", 1)[0]
+        owner = base if base in stems else next(
+            (s for s in stems if f.endswith(".png") and base.startswith(s + "_")), base)
+        out.setdefault(owner, {"files": []})["files"].append(f)
+    return dict(sorted(out.items()))
+
+
+def sample_grids(stem: str, results: Path) -> dict[str, str]:
+    """``{figure file: variant}`` of a training-curves result (each variant's ``runs[variant]["samples"]``)."""
+    js = results / f"{stem}.json"
+    runs = json.loads(js.read_text()).get("runs") if js.exists() else None
+    if not isinstance(runs, dict):
+        return {}
+    return {run["samples"]: name for name, run in runs.items() if isinstance(run, dict) and run.get("samples")}
+
+
+def figure_text(name: str, stem: str, grids: dict[str, str]) -> str:
+    base = name.rsplit(".", 1)[0]
+    if base in FIGURES:
+        return FIGURES[base]
+    if base == stem:
+        return "the table's metrics against steps and wall time"
+    if name in grids:
+        return f"samples of {grids[name]}'s last checkpoint"
+    return "figure"
+
+
+def index(results: Path = RESULTS) -> str:
+    """The index's markdown: a pure function of the files under ``results`` (and their content)."""
+    lines = ["# Benchmark results", "",
+             ("Generated by `python -m benchmarks.tools.results_index` (do not edit by hand; "
+              "`tests/test_results_index.py` checks that it is up to date). One row per result: its table "
+              "(`.md`), its data (`.json`), its figures, the command that made it as recorded (the data root "
+              "shown as `<data root>`; results made before the benchmarks moved to `benchmarks/tools` and "
+              "`benchmarks/studies` name the script's old path), the command that rebuilds its table from the "
+              "JSON today (byte for byte: the tests check it), and what it shows."), "",
+             "| result | files | command | what it shows |", "|---|---|---|---|"]
+    for stem, entry in results_of(results).items():
+        md = results / f"{stem}.md"
+        files, grids = [], sample_grids(stem, results)
+        for f in entry["files"]:
+            link = f"[`{Path(f).name}`]({f})"
+            if f.endswith(".png"):
+                link += f" ({figure_text(Path(f).name, Path(stem).name, grids)})"
+            files.append(link)
+        cmds = commands_of(stem, results)
+        cmd = "<br>".join(f"`{_portable(c)}`" for c in cmds) or "—"
+        if rebuild_command(stem) and md.exists() and (results / f"{stem}.json").exists():
+            cmd += f"<br>table rebuilt by `{rebuild_command(stem)}`"
+        if stem in RETIRED:
+            script, commit, why = RETIRED[stem]
+            cmd += f"<br>(`{script}` retired after {commit}: {why})"
+        shows = SHOWS.get(stem) or (title_of(md) if md.exists() else "") or "—"
+        lines.append(f"| {stem} | {'<br>'.join(files)} | {cmd} | {shows} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--results", type=Path, default=RESULTS)
+    p.add_argument("--check", action="store_true", help="write nothing; exit 1 when the index is out of date")
+    args = p.parse_args(argv)
+    text = index(args.results)
+    path = args.results / INDEX
+    if args.check:
+        if not path.exists() or path.read_text() != text:
+            print(f"{path} is out of date: run python -m benchmarks.tools.results_index", file=sys.stderr)
+            return 1
+        return 0
+    path.write_text(text)
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
