@@ -46,6 +46,7 @@ class DKEFLitModule(ScoreMatchingModule):
         deq_width: int = 64,
         log_lambda_init: float = -2.0,
         q0_std: float = 2.0,
+        exact_route: str = "auto",
         alpha_fit: str = "auto",
         alpha_refit_points: int = 1000,
         final_refit: Mapping | None = None,
@@ -74,7 +75,7 @@ class DKEFLitModule(ScoreMatchingModule):
         self.net = DKEF(
             input_dim, deq=deq, depth=depth, n_kernels=n_kernels, n_inducing=n_inducing,
             feature_dim=feature_dim, hidden=hidden, deq_width=deq_width, log_lambda_init=log_lambda_init,
-            q0_std=q0_std,
+            q0_std=q0_std, exact_route=exact_route,
         )
 
     @staticmethod

@@ -20,6 +20,15 @@ matching loss, which is quadratic in α (reference ``update_alpha``):
 All derivatives of k are assembled from first and second directional derivatives of the features, computed
 by reverse-mode autograd only (``src/models/directional.py``) so the fit is exact and differentiable
 through a DEQ in either backward mode.
+
+The exact mode (and the exact SM loss's score and trace, :meth:`DKEF.score_and_trace`) has a second route,
+``exact_route="jet"``: with u = φ_r(x), J = ∂u/∂x, L = Σ_d ∂²u/∂x_d² (one forward pass carrying them,
+``src/models/feature_jets.py``) and k = exp(−‖u − u_m‖²/(2h)), u_m = φ_r(z_m),
+
+    ∇ₓk = −(k/h) Jᵀ(u − u_m),      Δₓk = (k/h²) ‖Jᵀ(u − u_m)‖² − (k/h) (‖J‖²_F + (u − u_m)·L),
+
+which are the same numbers as the D replicated reverse passes of ``exact_route="autograd"`` (float64 tests:
+tests/test_dkef_fast_trace.py) at a fraction of their cost at high D (benchmarks/results/dkef_step_profile.md).
 """
 
 from __future__ import annotations
@@ -33,9 +42,16 @@ from torch import nn
 from torch.profiler import record_function
 
 from src.models.directional import directional_derivatives
+from src.models.feature_jets import feature_jet, supports_jet
 from src.models.features import build_feature_net
 
 ALPHA_FIT_MODES = ("exact", "sliced", "dsm")
+# How the exact mode's ∇k, Δk (α fit) and the exact SM loss's score and trace are computed: "jet" (closed form from
+# the features' forward jets), "autograd" (x replicated D times, reverse passes), "auto" (jet when supported)
+EXACT_ROUTES = ("auto", "jet", "autograd")
+PHASE_KERNEL_DERIVATIVES = "dkef.kernel_derivatives"  # profiler label: ∇k, Δk from the feature jets
+PHASE_FEATURES = "dkef.features"  # profiler label: φ(x) of data (forward only; its derivative passes are elsewhere)
+PHASE_INDUCING = "dkef.inducing_features"  # profiler label: φ(z_m) of the inducing points
 PHASE_ALPHA_FIT = "dkef.alpha_fit"  # profiler label of the closed-form α fit (benchmarks/profile_step.py)
 
 
@@ -49,6 +65,13 @@ class DKEFWithAlpha:
 
     def log_density(self, x: torch.Tensor) -> torch.Tensor:
         return self.dkef.log_density(x, alpha=self.alpha)
+
+    def own_trace_route(self, x: torch.Tensor) -> bool:
+        """Whether exact SM should take :meth:`score_and_trace` (src/objectives/sm.py, ``trace_route="auto"``)."""
+        return self.dkef.own_trace_route(x)
+
+    def score_and_trace(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dkef.score_and_trace(x, alpha=self.alpha)
 
 
 class DKEF(nn.Module):
@@ -69,8 +92,11 @@ class DKEF(nn.Module):
         log_lambda_init: float = -2.0,
         q0_std: float = 2.0,
         skip: bool = True,
+        exact_route: str = "auto",
     ):
         super().__init__()
+        if exact_route not in EXACT_ROUTES:
+            raise ValueError(f"exact_route={exact_route!r} is invalid; valid: {', '.join(EXACT_ROUTES)}")
         if input_dim < 1:
             raise ValueError(f"input_dim must be >= 1, got {input_dim}")
         if n_inducing < 1 or n_kernels < 1:
@@ -94,6 +120,10 @@ class DKEF(nn.Module):
         self.register_buffer("alpha", torch.zeros(n_inducing))
         self.register_buffer("alpha_fitted", torch.tensor(False))
         self._inducing_cache: list | None = None  # φ(inducing points) within shared_inducing_features()
+        self.exact_route = exact_route
+        if exact_route == "jet" and not self.jets_supported():
+            raise ValueError("exact_route='jet' needs explicit MLP features or dense Softplus DEQ features with "
+                             "phantom or implicit backward; use exact_route='autograd' (or 'auto')")
 
     # ---------------------------------------------------------------- density
     def log_q0(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +134,8 @@ class DKEF(nn.Module):
 
     def _all_features(self, x: torch.Tensor) -> torch.Tensor:
         """Features of every kernel side by side: [N, n_kernels * F]."""
-        return torch.cat([phi(x) for phi in self.features], dim=-1)
+        with record_function(PHASE_FEATURES):
+            return torch.cat([phi(x) for phi in self.features], dim=-1)
 
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
         return list(u.chunk(len(self.features), dim=-1))
@@ -124,11 +155,13 @@ class DKEF(nn.Module):
         """φ(z) of every kernel for the inducing points, [M, n_kernels * F] (shared within
         :meth:`shared_inducing_features`)."""
         cache = self._inducing_cache
-        if cache is None:
-            return self._all_features(self.inducing)
-        if not cache:
-            cache.append(self._all_features(self.inducing))
-        return cache[0]
+        if cache is not None and cache:
+            return cache[0]
+        with record_function(PHASE_INDUCING):
+            uz = torch.cat([phi(self.inducing) for phi in self.features], dim=-1)
+        if cache is not None:
+            cache.append(uz)
+        return uz
 
     def kernel_matrix(self, x: torch.Tensor) -> torch.Tensor:
         """k(x_n, z_m) mixed over kernels: [N, M]."""
@@ -147,13 +180,14 @@ class DKEF(nn.Module):
 
     def log_density(self, x: torch.Tensor, alpha: torch.Tensor | None = None) -> torch.Tensor:
         """Unnormalised log p̃(x), [N]. Uses the stored α unless one is given (training)."""
-        if alpha is None:
-            if not bool(self.alpha_fitted):
-                raise RuntimeError(
-                    "DKEF.log_density needs α: call fit_alpha(x_train) or set_alpha(...) before evaluating"
-                )
-            alpha = self.alpha
-        return self.kernel_matrix(x) @ alpha + self.log_q0(x)
+        return self.kernel_matrix(x) @ self._alpha_or_stored(alpha) + self.log_q0(x)
+
+    def _alpha_or_stored(self, alpha: torch.Tensor | None) -> torch.Tensor:
+        if alpha is not None:
+            return alpha
+        if not bool(self.alpha_fitted):
+            raise RuntimeError("DKEF.log_density needs α: call fit_alpha(x_train) or set_alpha(...) before evaluating")
+        return self.alpha
 
     # ---------------------------------------------------------------- α fit
     def _kernel_directional(self, x: torch.Tensor, v: torch.Tensor, second: bool):
@@ -175,6 +209,49 @@ class DKEF(nn.Module):
                 d2 = d2 + rho[r] * (k / bw**2 * da.pow(2) - k / bw * (aa + dc))
         return d1, (d2 if second else None)
 
+    # ---------------------------------------------------------------- jet route (closed-form ∇k, Δk)
+    def jets_supported(self) -> bool:
+        return all(supports_jet(phi) for phi in self.features)
+
+    def uses_jets(self) -> bool:
+        """The exact route resolved: jets unless ``exact_route="autograd"`` or a feature network has no jet rule.
+        ``auto`` takes the jets at every D: measured side by side they are faster from D = 11 up
+        (benchmarks/results/dkef_step_profile.md)."""
+        if self.exact_route == "autograd":
+            return False
+        return self.jets_supported()
+
+    def own_trace_route(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and self.uses_jets()
+
+    def kernel_gradient_laplacian(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """∇ₓk(x_n, z_m) ``[N, D, M]`` and Δₓk(x_n, z_m) ``[N, M]`` mixed over kernels, in closed form from the
+        features' jets (module docstring; App. D.1's kernel)."""
+        jets = [feature_jet(phi, x) for phi in self.features]
+        uz_all = self._inducing_features()
+        with record_function(PHASE_KERNEL_DERIVATIVES):
+            rho = torch.softmax(self.kernel_logits, 0)
+            grad = lap = 0.0
+            for r, ((u, j, lu), uz) in enumerate(zip(jets, self._split(uz_all))):
+                bw = 10 ** self.log_bandwidth[r]
+                sq = u.pow(2).sum(-1, keepdim=True) - 2 * u @ uz.T + uz.pow(2).sum(-1)
+                k = torch.exp(-sq / (2 * bw))  # [N, M]
+                a = (j @ u.unsqueeze(-1)) - j @ uz.T  # Jᵀ(u − u_m) as [N, D, M]
+                grad = grad + (-rho[r] / bw) * k.unsqueeze(1) * a
+                du_l = (u * lu).sum(-1, keepdim=True) - lu @ uz.T  # (u − u_m)·L, [N, M]
+                jj = j.pow(2).sum((1, 2)).unsqueeze(-1)  # ‖J‖²_F, [N, 1]
+                lap = lap + rho[r] * k * (a.pow(2).sum(1) / bw**2 - (jj + du_l) / bw)
+        return grad, lap
+
+    def score_and_trace(self, x: torch.Tensor, alpha: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """s(x) = ∇ₓlog p̃ ``[N, D]`` and tr ∇ₓs = Δₓlog p̃ ``[N]`` (exact SM, eq. 1) by the jet route."""
+        alpha = self._alpha_or_stored(alpha)
+        grad, lap = self.kernel_gradient_laplacian(x)
+        s = grad @ alpha + self.grad_log_q0(x)
+        tr = lap @ alpha - self.input_dim / self.q0_std**2
+        return s, tr
+
     def alpha_system(
         self,
         x: torch.Tensor,
@@ -187,6 +264,12 @@ class DKEF(nn.Module):
         if mode not in ALPHA_FIT_MODES:
             raise ValueError(f"unknown alpha fit mode {mode!r}; valid: {', '.join(ALPHA_FIT_MODES)}")
         n, d = x.shape
+        if mode == "exact" and self.uses_jets():
+            grad, lap = self.kernel_gradient_laplacian(x)
+            m = grad.shape[-1]
+            flat_grad = grad.reshape(n * d, m)
+            b = lap.sum(0) + (grad * self.grad_log_q0(x).unsqueeze(-1)).sum((0, 1))
+            return flat_grad.T @ flat_grad, b, n
         if mode == "sliced":
             xr = x.repeat(n_projections, 1)
             v = torch.randint(0, 2, xr.shape, device=x.device).to(x.dtype) * 2 - 1
