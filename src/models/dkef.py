@@ -318,7 +318,9 @@ class DKEF(nn.Module):
         """Means of G and b over many points, accumulated in chunks (evaluation: no parameter graph kept)."""
         g_sum = b_sum = None
         count = 0
-        with torch.enable_grad():
+        # the jet route needs no graph to differentiate; the autograd route differentiates through the features
+        no_graph = mode == "exact" and self.uses_jets()
+        with torch.no_grad() if no_graph else torch.enable_grad():
             for start in range(0, data.shape[0], chunk):
                 g, b, n = self.alpha_system(data[start : start + chunk], mode, **kw)
                 g, b = g.detach(), b.detach()
