@@ -224,32 +224,49 @@ class DKEF(nn.Module):
     def own_trace_route(self, x: torch.Tensor) -> bool:
         return x.dim() == 2 and self.uses_jets()
 
-    def kernel_gradient_laplacian(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """∇ₓk(x_n, z_m) ``[N, D, M]`` and Δₓk(x_n, z_m) ``[N, M]`` mixed over kernels, in closed form from the
-        features' jets (module docstring; App. D.1's kernel)."""
+    def _kernel_jet_factors(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """∇ₓk and Δₓk of every inducing point, mixed over kernels, in factored closed form (module docstring):
+
+            ∇ₓk(x_n, z_m) = Σ_r J_r[n] B_r[n, m],   B_r[n, m] = −(ρ_r k_r[n, m] / h_r) (u_r[n] − u_r(z_m))
+            Δₓk(x_n, z_m) = Σ_r ρ_r k_r (‖J_rᵀ(u_r − u_r(z_m))‖² / h_r² − (‖J_r‖²_F + (u_r − u_r(z_m))·L_r) / h_r)
+
+        where J_r[n] = (∂u_r/∂x)ᵀ is stored ``[D, F]``, so the module docstring's Jᵀ(u − u_m) is J_r[n](u − u_m) here,
+        and ‖J_r[n]v‖² = vᵀ(J_r[n]ᵀJ_r[n])v goes through the [F, F] Gram matrix: no [N, D, M] tensor is formed.
+        Returns J = [J_1 | J_2 | …] ``[N, D, R·F]``, B ``[N, M, R·F]`` and Δₓk ``[N, M]``."""
         jets = [feature_jet(phi, x) for phi in self.features]
         uz_all = self._inducing_features()
         with record_function(PHASE_KERNEL_DERIVATIVES):
             rho = torch.softmax(self.kernel_logits, 0)
-            grad = lap = 0.0
+            lap = 0.0
+            factors = []
             for r, ((u, j, lu), uz) in enumerate(zip(jets, self._split(uz_all))):
                 bw = 10 ** self.log_bandwidth[r]
-                sq = u.pow(2).sum(-1, keepdim=True) - 2 * u @ uz.T + uz.pow(2).sum(-1)
-                k = torch.exp(-sq / (2 * bw))  # [N, M]
-                a = (j @ u.unsqueeze(-1)) - j @ uz.T  # Jᵀ(u − u_m) as [N, D, M]
-                grad = grad + (-rho[r] / bw) * k.unsqueeze(1) * a
-                du_l = (u * lu).sum(-1, keepdim=True) - lu @ uz.T  # (u − u_m)·L, [N, M]
-                jj = j.pow(2).sum((1, 2)).unsqueeze(-1)  # ‖J‖²_F, [N, 1]
-                lap = lap + rho[r] * k * (a.pow(2).sum(1) / bw**2 - (jj + du_l) / bw)
-        return grad, lap
+                diff = u.unsqueeze(1) - uz.unsqueeze(0)  # u − u_m, [N, M, F]
+                k = torch.exp(-diff.pow(2).sum(-1) / (2 * bw))  # [N, M]
+                gram = j.transpose(1, 2) @ j  # JᵀJ, [N, F, F]
+                quad = ((diff @ gram) * diff).sum(-1)  # ‖J(u − u_m)‖², [N, M]
+                trace = gram.diagonal(dim1=1, dim2=2).sum(-1, keepdim=True)  # ‖J‖²_F, [N, 1]
+                du_l = (diff @ lu.unsqueeze(-1)).squeeze(-1)  # (u − u_m)·L, [N, M]
+                lap = lap + rho[r] * k * (quad / bw**2 - (trace + du_l) / bw)
+                factors.append((-rho[r] / bw) * k.unsqueeze(-1) * diff)
+            return torch.cat([jet[1] for jet in jets], dim=-1), torch.cat(factors, dim=-1), lap
+
+    def kernel_gradient_laplacian(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """∇ₓk(x_n, z_m) ``[N, D, M]`` and Δₓk(x_n, z_m) ``[N, M]`` mixed over kernels, in closed form from the
+        features' jets (module docstring; App. D.1's kernel)."""
+        j, b, lap = self._kernel_jet_factors(x)
+        with record_function(PHASE_KERNEL_DERIVATIVES):
+            return j @ b.transpose(1, 2), lap
 
     def score_and_trace(self, x: torch.Tensor, alpha: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-        """s(x) = ∇ₓlog p̃ ``[N, D]`` and tr ∇ₓs = Δₓlog p̃ ``[N]`` (exact SM, eq. 1) by the jet route."""
+        """s(x) = ∇ₓlog p̃ ``[N, D]`` and tr ∇ₓs = Δₓlog p̃ ``[N]`` (exact SM, eq. 1) by the jet route:
+        s = Σ_m α_m ∇ₓk_m + ∇log q0 = J (Bᵀα) + ∇log q0 (:meth:`_kernel_jet_factors`)."""
         alpha = self._alpha_or_stored(alpha)
-        grad, lap = self.kernel_gradient_laplacian(x)
-        s = grad @ alpha + self.grad_log_q0(x)
-        tr = lap @ alpha - self.input_dim / self.q0_std**2
+        j, b, lap = self._kernel_jet_factors(x)
+        with record_function(PHASE_KERNEL_DERIVATIVES):
+            s = (j @ (alpha @ b).unsqueeze(-1)).squeeze(-1) + self.grad_log_q0(x)
+            tr = lap @ alpha - self.input_dim / self.q0_std**2
         return s, tr
 
     def alpha_system(
@@ -268,7 +285,7 @@ class DKEF(nn.Module):
             grad, lap = self.kernel_gradient_laplacian(x)
             m = grad.shape[-1]
             flat_grad = grad.reshape(n * d, m)
-            b = lap.sum(0) + (grad * self.grad_log_q0(x).unsqueeze(-1)).sum((0, 1))
+            b = lap.sum(0) + self.grad_log_q0(x).reshape(n * d) @ flat_grad
             return flat_grad.T @ flat_grad, b, n
         if mode == "sliced":
             xr = x.repeat(n_projections, 1)
