@@ -101,3 +101,30 @@ def test_jet_route_is_refused_where_it_does_not_apply():
     with pytest.raises(ValueError, match="trace_route='model'"):
         sm(torch.nn.Linear(3, 1), torch.randn(2, 3), trace_route="model")
 
+
+
+@pytest.mark.parametrize("case", ["mlp3", "deq_phantom", "deq_implicit"])
+def test_training_step_with_both_halves_in_one_pass_is_the_two_call_step(case):
+    """src/lit/dkef.py's exact-SM step (α fit and loss from one jet pass) against fit_alpha + sm (autograd)."""
+    from src.lit.dkef import DKEFLitModule
+
+    keys = dict(CASES[case])
+    torch.manual_seed(0)
+    module = DKEFLitModule(5, loss={"name": "sm", "trace_route": "auto"}, n_inducing=7, feature_dim=4, hidden=6,
+                           deq_width=6, **keys).double()
+    x = torch.randn(12, 5, dtype=torch.float64)
+    assert module._fused_exact_sm(x)
+    fused = module.training_objective(x)
+    fused.loss.backward()
+    g_fused = {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+    module.zero_grad()
+    module.net.exact_route = "autograd"
+    assert not module._fused_exact_sm(x)
+    ref = module.training_objective(x)
+    ref.loss.backward()
+    assert close(fused.loss, ref.loss)
+    for part in ("score_norm", "trace"):
+        assert close(fused.parts[part], ref.parts[part])
+    for name, p in module.named_parameters():
+        if p.grad is not None:
+            assert close(g_fused[name], p.grad), name

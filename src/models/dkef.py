@@ -269,6 +269,28 @@ class DKEF(nn.Module):
             tr = lap @ alpha - self.input_dim / self.q0_std**2
         return s, tr
 
+    def _exact_system(self, x: torch.Tensor, grad: torch.Tensor, lap: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sums of the exact mode's G = Σ ∇k ∇kᵀ and b = Σ (Δk + ∇k·∇log q0) from ∇k ``[N, D, M]``, Δk ``[N, M]``."""
+        n, d = x.shape
+        flat_grad = grad.reshape(n * d, grad.shape[-1])
+        b = lap.sum(0) + self.grad_log_q0(x).reshape(n * d) @ flat_grad
+        return flat_grad.T @ flat_grad, b
+
+    def fit_and_exact_sm(self, x_fit: torch.Tensor, x_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training step's α (exact fit on ``x_fit``) and the score and trace of ``x_loss`` under it, by the
+        jet route with the features of both halves in one pass: the numbers of ``fit_alpha(x_fit, "exact")``
+        followed by :meth:`score_and_trace` of ``x_loss`` (src/lit/dkef.py uses it for exact SM)."""
+        n = x_fit.shape[0]
+        j, b, lap = self._kernel_jet_factors(torch.cat([x_fit, x_loss]))
+        with record_function(PHASE_ALPHA_FIT):
+            g, b_vec = self._exact_system(x_fit, j[:n] @ b[:n].transpose(1, 2), lap[:n])
+            alpha = self.solve_alpha(g / n, b_vec / n)
+        with record_function(PHASE_KERNEL_DERIVATIVES):
+            s = (j[n:] @ (alpha @ b[n:]).unsqueeze(-1)).squeeze(-1) + self.grad_log_q0(x_loss)
+            tr = lap[n:] @ alpha - self.input_dim / self.q0_std**2
+        return s, tr
+
     def alpha_system(
         self,
         x: torch.Tensor,
@@ -282,11 +304,7 @@ class DKEF(nn.Module):
             raise ValueError(f"unknown alpha fit mode {mode!r}; valid: {', '.join(ALPHA_FIT_MODES)}")
         n, d = x.shape
         if mode == "exact" and self.uses_jets():
-            grad, lap = self.kernel_gradient_laplacian(x)
-            m = grad.shape[-1]
-            flat_grad = grad.reshape(n * d, m)
-            b = lap.sum(0) + self.grad_log_q0(x).reshape(n * d) @ flat_grad
-            return flat_grad.T @ flat_grad, b, n
+            return (*self._exact_system(x, *self.kernel_gradient_laplacian(x)), n)
         if mode == "sliced":
             xr = x.repeat(n_projections, 1)
             v = torch.randint(0, 2, xr.shape, device=x.device).to(x.dtype) * 2 - 1

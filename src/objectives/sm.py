@@ -265,5 +265,10 @@ def sm(
     s, tr = hessian_trace(
         model, x, trace_route=trace_route, create_graph=create_graph, max_copies_per_pass=max_copies_per_pass
     )
+    return sm_from_score_and_trace(s, tr, create_graph)
+
+
+def sm_from_score_and_trace(s: Tensor, tr: Tensor, create_graph: bool = True):
+    """Eq. 1 per sample from the score ``s [B, D]`` and the trace ``tr [B]``: the output of :func:`sm`."""
     score_norm = 0.5 * (s**2).sum(-1)
     return finalize(score_norm + tr, {"score_norm": score_norm.mean(), "trace": tr.mean()}, create_graph)
