@@ -44,6 +44,7 @@ from torch.profiler import record_function
 from src.models.directional import directional_derivatives
 from src.models.feature_jets import feature_jet, supports_jet
 from src.models.features import build_feature_net
+from src.objectives.base import PHASE_SCORE, PHASE_TRACE
 
 ALPHA_FIT_MODES = ("exact", "sliced", "dsm")
 # How the exact mode's ∇k, Δk (α fit) and the exact SM loss's score and trace are computed: "jet" (closed form from
@@ -134,7 +135,7 @@ class DKEF(nn.Module):
 
     def _all_features(self, x: torch.Tensor) -> torch.Tensor:
         """Features of every kernel side by side: [N, n_kernels * F]."""
-        with record_function(PHASE_FEATURES):
+        with record_function(PHASE_INDUCING if x is self.inducing else PHASE_FEATURES):
             return torch.cat([phi(x) for phi in self.features], dim=-1)
 
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
@@ -157,8 +158,7 @@ class DKEF(nn.Module):
         cache = self._inducing_cache
         if cache is not None and cache:
             return cache[0]
-        with record_function(PHASE_INDUCING):
-            uz = torch.cat([phi(self.inducing) for phi in self.features], dim=-1)
+        uz = self._all_features(self.inducing)
         if cache is not None:
             cache.append(uz)
         return uz
@@ -264,8 +264,9 @@ class DKEF(nn.Module):
         s = Σ_m α_m ∇ₓk_m + ∇log q0 = J (Bᵀα) + ∇log q0 (:meth:`_kernel_jet_factors`)."""
         alpha = self._alpha_or_stored(alpha)
         j, b, lap = self._kernel_jet_factors(x)
-        with record_function(PHASE_KERNEL_DERIVATIVES):
+        with record_function(PHASE_SCORE):
             s = (j @ (alpha @ b).unsqueeze(-1)).squeeze(-1) + self.grad_log_q0(x)
+        with record_function(PHASE_TRACE):
             tr = lap @ alpha - self.input_dim / self.q0_std**2
         return s, tr
 
@@ -286,8 +287,9 @@ class DKEF(nn.Module):
         with record_function(PHASE_ALPHA_FIT):
             g, b_vec = self._exact_system(x_fit, j[:n] @ b[:n].transpose(1, 2), lap[:n])
             alpha = self.solve_alpha(g / n, b_vec / n)
-        with record_function(PHASE_KERNEL_DERIVATIVES):
+        with record_function(PHASE_SCORE):
             s = (j[n:] @ (alpha @ b[n:]).unsqueeze(-1)).squeeze(-1) + self.grad_log_q0(x_loss)
+        with record_function(PHASE_TRACE):
             tr = lap[n:] @ alpha - self.input_dim / self.q0_std**2
         return s, tr
 
