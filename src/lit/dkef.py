@@ -23,6 +23,7 @@ from src.lit.base import ScoreMatchingModule
 from src.metrics.registry import metric_options
 from src.models.dkef import ALPHA_FIT_MODES, DKEF
 from src.objectives.base import ObjectiveOutput
+from src.objectives.sm import sm_from_score_and_trace
 
 # Which closed-form α fit goes with which objective (reference code: exact for SM, sliced for SSM(-VR),
 # the denoising form for DSM; CP uses the cheap unbiased sliced fit).
@@ -47,6 +48,7 @@ class DKEFLitModule(ScoreMatchingModule):
         deq_width: int = 64,
         log_lambda_init: float = -2.0,
         q0_std: float = 2.0,
+        exact_route: str = "auto",
         alpha_fit: str = "auto",
         alpha_refit_points: int = 1000,
         final_refit: Mapping | None = None,
@@ -75,7 +77,7 @@ class DKEFLitModule(ScoreMatchingModule):
         self.net = DKEF(
             input_dim, deq=deq, depth=depth, n_kernels=n_kernels, n_inducing=n_inducing,
             feature_dim=feature_dim, hidden=hidden, deq_width=deq_width, log_lambda_init=log_lambda_init,
-            q0_std=q0_std,
+            q0_std=q0_std, exact_route=exact_route,
         )
 
     @staticmethod
@@ -117,8 +119,16 @@ class DKEFLitModule(ScoreMatchingModule):
         half = x.shape[0] // 2
         x_fit, x_loss = x[:half], x[half:]
         with self.net.shared_inducing_features():  # φ(inducing points) once for the fit and the loss
+            if self._fused_exact_sm(x):  # the same numbers, both halves' feature jets in one pass
+                s, tr = self.net.fit_and_exact_sm(x_fit, x_loss)
+                return sm_from_score_and_trace(s, tr)
             alpha = self.net.fit_alpha(x_fit, self.alpha_fit, **self._alpha_kwargs())
             return self.objective(self.net.with_alpha(alpha), x_loss)
+
+    def _fused_exact_sm(self, x: torch.Tensor) -> bool:
+        """Exact SM with the exact α fit on the jet route (what ``trace_route="auto"`` would pick for the loss)."""
+        return (self.loss_name == "sm" and self.alpha_fit == "exact"
+                and self.loss_kwargs.get("trace_route", "auto") == "auto" and self.net.own_trace_route(x))
 
     def refit_alpha(self) -> None:
         """Exact α on (up to) ``alpha_refit_points`` training points, stored in the model for evaluation."""

@@ -20,6 +20,15 @@ matching loss, which is quadratic in α (reference ``update_alpha``):
 All derivatives of k are assembled from first and second directional derivatives of the features, computed
 by reverse-mode autograd only (``src/models/directional.py``) so the fit is exact and differentiable
 through a DEQ in either backward mode.
+
+The exact mode (and the exact SM loss's score and trace, :meth:`DKEF.score_and_trace`) has a second route,
+``exact_route="jet"``: with u = φ_r(x), J = ∂u/∂x, L = Σ_d ∂²u/∂x_d² (one forward pass carrying them,
+``src/models/feature_jets.py``) and k = exp(−‖u − u_m‖²/(2h)), u_m = φ_r(z_m),
+
+    ∇ₓk = −(k/h) Jᵀ(u − u_m),      Δₓk = (k/h²) ‖Jᵀ(u − u_m)‖² − (k/h) (‖J‖²_F + (u − u_m)·L),
+
+which are the same numbers as the D replicated reverse passes of ``exact_route="autograd"`` (float64 tests:
+tests/test_dkef_fast_trace.py) at a fraction of their cost at high D (benchmarks/results/dkef_step_profile.md).
 """
 
 from __future__ import annotations
@@ -33,9 +42,17 @@ from torch import nn
 from torch.profiler import record_function
 
 from src.models.directional import directional_derivatives
+from src.models.feature_jets import feature_jet, supports_jet
 from src.models.features import build_feature_net
+from src.objectives.base import PHASE_SCORE, PHASE_TRACE
 
 ALPHA_FIT_MODES = ("exact", "sliced", "dsm")
+# How the exact mode's ∇k, Δk (α fit) and the exact SM loss's score and trace are computed: "jet" (closed form from
+# the features' forward jets), "autograd" (x replicated D times, reverse passes), "auto" (jet when supported)
+EXACT_ROUTES = ("auto", "jet", "autograd")
+PHASE_KERNEL_DERIVATIVES = "dkef.kernel_derivatives"  # profiler label: ∇k, Δk from the feature jets
+PHASE_FEATURES = "dkef.features"  # profiler label: φ(x) of data (forward only; its derivative passes are elsewhere)
+PHASE_INDUCING = "dkef.inducing_features"  # profiler label: φ(z_m) of the inducing points
 PHASE_ALPHA_FIT = "dkef.alpha_fit"  # profiler label of the closed-form α fit (benchmarks/tools/profile_step.py)
 
 
@@ -49,6 +66,13 @@ class DKEFWithAlpha:
 
     def log_density(self, x: torch.Tensor) -> torch.Tensor:
         return self.dkef.log_density(x, alpha=self.alpha)
+
+    def own_trace_route(self, x: torch.Tensor) -> bool:
+        """Whether exact SM should take :meth:`score_and_trace` (src/objectives/sm.py, ``trace_route="auto"``)."""
+        return self.dkef.own_trace_route(x)
+
+    def score_and_trace(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.dkef.score_and_trace(x, alpha=self.alpha)
 
 
 class DKEF(nn.Module):
@@ -69,8 +93,11 @@ class DKEF(nn.Module):
         log_lambda_init: float = -2.0,
         q0_std: float = 2.0,
         skip: bool = True,
+        exact_route: str = "auto",
     ):
         super().__init__()
+        if exact_route not in EXACT_ROUTES:
+            raise ValueError(f"exact_route={exact_route!r} is invalid; valid: {', '.join(EXACT_ROUTES)}")
         if input_dim < 1:
             raise ValueError(f"input_dim must be >= 1, got {input_dim}")
         if n_inducing < 1 or n_kernels < 1:
@@ -94,6 +121,10 @@ class DKEF(nn.Module):
         self.register_buffer("alpha", torch.zeros(n_inducing))
         self.register_buffer("alpha_fitted", torch.tensor(False))
         self._inducing_cache: list | None = None  # φ(inducing points) within shared_inducing_features()
+        self.exact_route = exact_route
+        if exact_route == "jet" and not self.jets_supported():
+            raise ValueError("exact_route='jet' needs explicit MLP features or dense Softplus DEQ features with "
+                             "phantom or implicit backward; use exact_route='autograd' (or 'auto')")
 
     # ---------------------------------------------------------------- density
     def log_q0(self, x: torch.Tensor) -> torch.Tensor:
@@ -104,7 +135,8 @@ class DKEF(nn.Module):
 
     def _all_features(self, x: torch.Tensor) -> torch.Tensor:
         """Features of every kernel side by side: [N, n_kernels * F]."""
-        return torch.cat([phi(x) for phi in self.features], dim=-1)
+        with record_function(PHASE_INDUCING if x is self.inducing else PHASE_FEATURES):
+            return torch.cat([phi(x) for phi in self.features], dim=-1)
 
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
         return list(u.chunk(len(self.features), dim=-1))
@@ -124,11 +156,12 @@ class DKEF(nn.Module):
         """φ(z) of every kernel for the inducing points, [M, n_kernels * F] (shared within
         :meth:`shared_inducing_features`)."""
         cache = self._inducing_cache
-        if cache is None:
-            return self._all_features(self.inducing)
-        if not cache:
-            cache.append(self._all_features(self.inducing))
-        return cache[0]
+        if cache is not None and cache:
+            return cache[0]
+        uz = self._all_features(self.inducing)
+        if cache is not None:
+            cache.append(uz)
+        return uz
 
     def kernel_matrix(self, x: torch.Tensor) -> torch.Tensor:
         """k(x_n, z_m) mixed over kernels: [N, M]."""
@@ -147,13 +180,14 @@ class DKEF(nn.Module):
 
     def log_density(self, x: torch.Tensor, alpha: torch.Tensor | None = None) -> torch.Tensor:
         """Unnormalised log p̃(x), [N]. Uses the stored α unless one is given (training)."""
-        if alpha is None:
-            if not bool(self.alpha_fitted):
-                raise RuntimeError(
-                    "DKEF.log_density needs α: call fit_alpha(x_train) or set_alpha(...) before evaluating"
-                )
-            alpha = self.alpha
-        return self.kernel_matrix(x) @ alpha + self.log_q0(x)
+        return self.kernel_matrix(x) @ self._alpha_or_stored(alpha) + self.log_q0(x)
+
+    def _alpha_or_stored(self, alpha: torch.Tensor | None) -> torch.Tensor:
+        if alpha is not None:
+            return alpha
+        if not bool(self.alpha_fitted):
+            raise RuntimeError("DKEF.log_density needs α: call fit_alpha(x_train) or set_alpha(...) before evaluating")
+        return self.alpha
 
     # ---------------------------------------------------------------- α fit
     def _kernel_directional(self, x: torch.Tensor, v: torch.Tensor, second: bool):
@@ -175,6 +209,90 @@ class DKEF(nn.Module):
                 d2 = d2 + rho[r] * (k / bw**2 * da.pow(2) - k / bw * (aa + dc))
         return d1, (d2 if second else None)
 
+    # ---------------------------------------------------------------- jet route (closed-form ∇k, Δk)
+    def jets_supported(self) -> bool:
+        return all(supports_jet(phi) for phi in self.features)
+
+    def uses_jets(self) -> bool:
+        """The exact route resolved: jets unless ``exact_route="autograd"`` or a feature network has no jet rule.
+        ``auto`` takes the jets at every D: measured side by side they are faster from D = 11 up
+        (benchmarks/results/dkef_step_profile.md)."""
+        if self.exact_route == "autograd":
+            return False
+        return self.jets_supported()
+
+    def own_trace_route(self, x: torch.Tensor) -> bool:
+        return x.dim() == 2 and self.uses_jets()
+
+    def _kernel_jet_factors(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """∇ₓk and Δₓk of every inducing point, mixed over kernels, in factored closed form (module docstring):
+
+            ∇ₓk(x_n, z_m) = Σ_r J_r[n] B_r[n, m],   B_r[n, m] = −(ρ_r k_r[n, m] / h_r) (u_r[n] − u_r(z_m))
+            Δₓk(x_n, z_m) = Σ_r ρ_r k_r (‖J_rᵀ(u_r − u_r(z_m))‖² / h_r² − (‖J_r‖²_F + (u_r − u_r(z_m))·L_r) / h_r)
+
+        where J_r[n] = (∂u_r/∂x)ᵀ is stored ``[D, F]``, so the module docstring's Jᵀ(u − u_m) is J_r[n](u − u_m) here,
+        and ‖J_r[n]v‖² = vᵀ(J_r[n]ᵀJ_r[n])v goes through the [F, F] Gram matrix: no [N, D, M] tensor is formed.
+        Returns J = [J_1 | J_2 | …] ``[N, D, R·F]``, B ``[N, M, R·F]`` and Δₓk ``[N, M]``."""
+        jets = [feature_jet(phi, x) for phi in self.features]
+        uz_all = self._inducing_features()
+        with record_function(PHASE_KERNEL_DERIVATIVES):
+            rho = torch.softmax(self.kernel_logits, 0)
+            lap = 0.0
+            factors = []
+            for r, ((u, j, lu), uz) in enumerate(zip(jets, self._split(uz_all))):
+                bw = 10 ** self.log_bandwidth[r]
+                diff = u.unsqueeze(1) - uz.unsqueeze(0)  # u − u_m, [N, M, F]
+                k = torch.exp(-diff.pow(2).sum(-1) / (2 * bw))  # [N, M]
+                gram = j.transpose(1, 2) @ j  # JᵀJ, [N, F, F]
+                quad = ((diff @ gram) * diff).sum(-1)  # ‖J(u − u_m)‖², [N, M]
+                trace = gram.diagonal(dim1=1, dim2=2).sum(-1, keepdim=True)  # ‖J‖²_F, [N, 1]
+                du_l = (diff @ lu.unsqueeze(-1)).squeeze(-1)  # (u − u_m)·L, [N, M]
+                lap = lap + rho[r] * k * (quad / bw**2 - (trace + du_l) / bw)
+                factors.append((-rho[r] / bw) * k.unsqueeze(-1) * diff)
+            return torch.cat([jet[1] for jet in jets], dim=-1), torch.cat(factors, dim=-1), lap
+
+    def kernel_gradient_laplacian(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """∇ₓk(x_n, z_m) ``[N, D, M]`` and Δₓk(x_n, z_m) ``[N, M]`` mixed over kernels, in closed form from the
+        features' jets (module docstring; App. D.1's kernel)."""
+        j, b, lap = self._kernel_jet_factors(x)
+        with record_function(PHASE_KERNEL_DERIVATIVES):
+            return j @ b.transpose(1, 2), lap
+
+    def score_and_trace(self, x: torch.Tensor, alpha: torch.Tensor | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        """s(x) = ∇ₓlog p̃ ``[N, D]`` and tr ∇ₓs = Δₓlog p̃ ``[N]`` (exact SM, eq. 1) by the jet route:
+        s = Σ_m α_m ∇ₓk_m + ∇log q0 = J (Bᵀα) + ∇log q0 (:meth:`_kernel_jet_factors`)."""
+        alpha = self._alpha_or_stored(alpha)
+        j, b, lap = self._kernel_jet_factors(x)
+        with record_function(PHASE_SCORE):
+            s = (j @ (alpha @ b).unsqueeze(-1)).squeeze(-1) + self.grad_log_q0(x)
+        with record_function(PHASE_TRACE):
+            tr = lap @ alpha - self.input_dim / self.q0_std**2
+        return s, tr
+
+    def _exact_system(self, x: torch.Tensor, grad: torch.Tensor, lap: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sums of the exact mode's G = Σ ∇k ∇kᵀ and b = Σ (Δk + ∇k·∇log q0) from ∇k ``[N, D, M]``, Δk ``[N, M]``."""
+        n, d = x.shape
+        flat_grad = grad.reshape(n * d, grad.shape[-1])
+        b = lap.sum(0) + self.grad_log_q0(x).reshape(n * d) @ flat_grad
+        return flat_grad.T @ flat_grad, b
+
+    def fit_and_exact_sm(self, x_fit: torch.Tensor, x_loss: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One training step's α (exact fit on ``x_fit``) and the score and trace of ``x_loss`` under it, by the
+        jet route with the features of both halves in one pass: the numbers of ``fit_alpha(x_fit, "exact")``
+        followed by :meth:`score_and_trace` of ``x_loss`` (src/lit/dkef.py uses it for exact SM)."""
+        n = x_fit.shape[0]
+        j, b, lap = self._kernel_jet_factors(torch.cat([x_fit, x_loss]))
+        with record_function(PHASE_ALPHA_FIT):
+            g, b_vec = self._exact_system(x_fit, j[:n] @ b[:n].transpose(1, 2), lap[:n])
+            alpha = self.solve_alpha(g / n, b_vec / n)
+        with record_function(PHASE_SCORE):
+            s = (j[n:] @ (alpha @ b[n:]).unsqueeze(-1)).squeeze(-1) + self.grad_log_q0(x_loss)
+        with record_function(PHASE_TRACE):
+            tr = lap[n:] @ alpha - self.input_dim / self.q0_std**2
+        return s, tr
+
     def alpha_system(
         self,
         x: torch.Tensor,
@@ -187,6 +305,8 @@ class DKEF(nn.Module):
         if mode not in ALPHA_FIT_MODES:
             raise ValueError(f"unknown alpha fit mode {mode!r}; valid: {', '.join(ALPHA_FIT_MODES)}")
         n, d = x.shape
+        if mode == "exact" and self.uses_jets():
+            return (*self._exact_system(x, *self.kernel_gradient_laplacian(x)), n)
         if mode == "sliced":
             xr = x.repeat(n_projections, 1)
             v = torch.randint(0, 2, xr.shape, device=x.device).to(x.dtype) * 2 - 1
@@ -235,7 +355,9 @@ class DKEF(nn.Module):
         """Means of G and b over many points, accumulated in chunks (evaluation: no parameter graph kept)."""
         g_sum = b_sum = None
         count = 0
-        with torch.enable_grad():
+        # the jet route needs no graph to differentiate; the autograd route differentiates through the features
+        no_graph = mode == "exact" and self.uses_jets()
+        with torch.no_grad() if no_graph else torch.enable_grad():
             for start in range(0, data.shape[0], chunk):
                 g, b, n = self.alpha_system(data[start : start + chunk], mode, **kw)
                 g, b = g.detach(), b.detach()

@@ -21,7 +21,10 @@ routes compute the same numbers (agreement to ~1e-15 in float64; identical param
                  vmap rule, no ``.item()``/data-dependent control flow).
 ``"batched"``    one ``torch.autograd.grad(..., is_grads_batched=True)`` (the DEQ authors' route); same
                  limitation as ``"func"``.
-``"auto"``       ``"func"`` when the model declares ``supports_torch_func = True`` (an explicit network
+``"model"``      the model's own exact ``score_and_trace(x) -> (s [B, D], tr [B])`` (a closed form: DKEF's
+                 feature jets, src/models/dkef.py); only for models that have it.
+``"auto"``       ``"model"`` when the model has ``score_and_trace`` and its ``own_trace_route(x)`` says yes;
+                 else ``"func"`` when the model declares ``supports_torch_func = True`` (an explicit network
                  that torch.func can transform); otherwise ``"replicate"`` on CUDA; on CPU ``"replicate"``
                  when the model declares ``independent_rows = True`` (a row's output depends on that row
                  only: DKEF, NICE) and the replicated batch D × B has at most ``AUTO_REPLICATE_ROWS`` rows,
@@ -65,7 +68,7 @@ from .base import (
     needs_autograd,
 )
 
-TRACE_ROUTES = ("auto", "loop", "replicate", "func", "batched")
+TRACE_ROUTES = ("auto", "loop", "replicate", "func", "batched", "model")
 
 
 def check_trace_route(route: str) -> str:
@@ -81,12 +84,27 @@ def check_trace_route(route: str) -> str:
 AUTO_REPLICATE_ROWS = 4096
 
 
-def resolve_trace_route(route: str, device: torch.device, model=None, rows: int | None = None) -> str:
+def has_own_trace(model, x: Tensor | None = None) -> bool:
+    """Whether the model offers its own exact score and trace for ``x`` (route ``"model"``)."""
+    if not callable(getattr(model, "score_and_trace", None)):
+        return False
+    prefers = getattr(model, "own_trace_route", None)
+    return x is None or prefers is None or bool(prefers(x))
+
+
+def resolve_trace_route(route: str, device: torch.device, model=None, rows: int | None = None,
+                        x: Tensor | None = None) -> str:
     """The concrete route for ``route`` ("auto" resolved; see the module docstring). ``rows``: D × B, the size
-    of the replicated batch (the CPU choice between ``replicate`` and ``loop`` needs it)."""
+    of the replicated batch (the CPU choice between ``replicate`` and ``loop`` needs it); ``x``: the batch (the
+    model's ``own_trace_route(x)`` decides ``"model"``)."""
     check_trace_route(route)
+    if route == "model" and not has_own_trace(model):
+        raise ValueError(f"trace_route='model' needs a model with score_and_trace(x); {type(model).__name__} has "
+                         "none: use trace_route='auto'")
     if route != "auto":
         return route
+    if x is not None and has_own_trace(model, x):
+        return "model"
     if getattr(model, "supports_torch_func", False):
         return "func"
     if torch.device(device).type == "cuda":
@@ -194,6 +212,12 @@ def _trace_func(model, x, create_graph):
     return s, tr
 
 
+def _trace_model(model, x, create_graph):
+    with torch.enable_grad() if create_graph else torch.no_grad():
+        s, tr = model.score_and_trace(x)
+    return flat(s), tr
+
+
 def hessian_trace(
     model,
     x: Tensor,
@@ -203,8 +227,10 @@ def hessian_trace(
     max_copies_per_pass: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Score and exact trace ``tr ∇ₓ s(x)`` per sample: ``(s [B, D], tr [B])``. See the module docstring."""
-    route = resolve_trace_route(trace_route, x.device, model, rows=x.shape[0] * x[0].numel())
+    route = resolve_trace_route(trace_route, x.device, model, rows=x.shape[0] * x[0].numel(), x=x)
     with record_function(PHASE_TRACE):
+        if route == "model":
+            return _trace_model(model, x, create_graph)
         if route == "loop":
             return _trace_loop(model, x, create_graph)
         if route == "replicate":
@@ -229,7 +255,7 @@ def sm(
         model: ``log_density(x) -> [B]`` and/or ``score(x) -> x.shape``.
         x: data batch ``[B, D]`` or ``[B, C, H, W]`` (no grad needed).
         create_graph: True to train (graph kept to the parameters); False to evaluate (detached).
-        trace_route: ``"auto" | "loop" | "replicate" | "func" | "batched"`` (module docstring).
+        trace_route: ``"auto" | "loop" | "replicate" | "func" | "batched" | "model"`` (module docstring).
         max_copies_per_pass: ``"replicate"`` only: at most this many copies of x per pass.
 
     Returns:
@@ -239,5 +265,10 @@ def sm(
     s, tr = hessian_trace(
         model, x, trace_route=trace_route, create_graph=create_graph, max_copies_per_pass=max_copies_per_pass
     )
+    return sm_from_score_and_trace(s, tr, create_graph)
+
+
+def sm_from_score_and_trace(s: Tensor, tr: Tensor, create_graph: bool = True):
+    """Eq. 1 per sample from the score ``s [B, D]`` and the trace ``tr [B]``: the output of :func:`sm`."""
     score_norm = 0.5 * (s**2).sum(-1)
     return finalize(score_norm + tr, {"score_norm": score_norm.mean(), "trace": tr.mean()}, create_graph)
