@@ -18,8 +18,8 @@ warm start: ``conf/deq/true.yaml``) and SM 16-layer (explicit features, 16 layer
 3. **Equality** (float64, the same dims): loss and parameter gradients of one step by each route from the same
    weights (largest gradient difference relative to the largest gradient entry).
 
-    OMP_NUM_THREADS=1 python benchmarks/tools/dkef_step_profile.py
-    OMP_NUM_THREADS=1 python benchmarks/tools/dkef_step_profile.py --dims 11,100 --side-dims 100 --repeats 5
+    OMP_NUM_THREADS=1 python -m benchmarks.tools.dkef_step_profile
+    OMP_NUM_THREADS=1 python -m benchmarks.tools.dkef_step_profile --dims 11,100 --side-dims 100 --repeats 5
 
 Writes ``benchmarks/results/dkef_step_profile.json`` and ``.md``.
 """
@@ -29,22 +29,16 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
+from benchmarks.lib.results import RESULTS, script_command
 from src.lit.dkef import DKEFLitModule
 
-RESULTS = ROOT / "benchmarks" / "results"
 BATCH, M, FEATURES = 32, 200, 30
 DEQ = {"enabled": True, "solver": "picard", "tol": 1e-5, "stop_mode": "abs", "max_iter": 128, "phantom_steps": 2,
        "warm_start": True, "norm_lambda": 2.0, "norm": "frobenius", "backward": "phantom", "anderson_m": 5,
@@ -284,8 +278,7 @@ def main(argv=None) -> None:
         raise SystemExit(f"unknown method(s) {unknown}; valid: {', '.join(METHODS)}")
     dims = [int(v) for v in args.dims.split(",") if v]
     side_dims = [int(v) for v in args.side_dims.split(",") if v]
-    cmd = " ".join(["python", "benchmarks/tools/dkef_step_profile.py", *map(shlex.quote, sys.argv[1:] if argv is None
-                                                                         else argv)])
+    cmd = script_command("benchmarks.tools.dkef_step_profile", argv)
     res = {"command": f"OMP_NUM_THREADS={torch.get_num_threads()} {cmd}", "machine": machine(),
            "repeats": args.repeats, "warmup": args.warmup, "matmul_reference_gflops": matmul_gflops(1600, 200, 200),
            "side_by_side": [], "equality": [], "phases": []}
