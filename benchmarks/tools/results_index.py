@@ -35,6 +35,7 @@ REBUILT_BY = {
     "deq_solvers": "benchmarks.studies.deq_solvers --render",
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
+    "dkef_step_profile": "benchmarks.tools.dkef_step_profile --render",
     "dkef_paper_protocol": "benchmarks.tools.dkef_paper_protocol --render",
     "gpu_suite": "benchmarks.tools.gpu_suite --render",
     "ncsn_langevin_step": "benchmarks.studies.ncsn_langevin_step --render",
@@ -181,6 +182,8 @@ def commands_of(stem: str, results: Path) -> list[str]:
         data = json.loads(js.read_text())
         metas = [data.get("meta")] if isinstance(data.get("meta"), dict) else [
             v["meta"] for v in data.values() if isinstance(v, dict) and isinstance(v.get("meta"), dict)]
+        if isinstance(data.get("command"), str):  # results that keep their command at the top level
+            metas.append({"command": data["command"]})
         for meta in metas:
             found = meta.get("commands") or meta.get("command")
             for c in [found] if isinstance(found, str) else found or []:
