@@ -193,7 +193,7 @@ def render(res: dict) -> str:
     lines = [
         "# DKEF exact-SM step: profile by phase and the jet route side by side (issue #42)",
         "",
-        f"`{res['command']}`  ",
+        f"`OMP_NUM_THREADS={res['machine']['threads']} {res['command']}`  ",
         (f"Machine: {mach['cpu']}; python {mach['python']}; torch {mach['torch']}; {mach['threads']} thread(s); "
         "float32 unless said. Step: `experiment=dkef_gaussian`'s (batch 32: α on 16, exact SM on 16; M = 200; "
         "3 kernels × 30 features; clip 100; Adam). **old** = `model.exact_route=autograd` (x replicated D times, "
@@ -279,7 +279,7 @@ def main(argv=None) -> None:
     dims = [int(v) for v in args.dims.split(",") if v]
     side_dims = [int(v) for v in args.side_dims.split(",") if v]
     cmd = script_command("benchmarks.tools.dkef_step_profile", argv)
-    res = {"command": f"OMP_NUM_THREADS={torch.get_num_threads()} {cmd}", "machine": machine(),
+    res = {"command": cmd, "machine": machine(),
            "repeats": args.repeats, "warmup": args.warmup, "matmul_reference_gflops": matmul_gflops(1600, 200, 200),
            "side_by_side": [], "equality": [], "phases": []}
     for method in methods:
