@@ -12,7 +12,9 @@ Every composition (command line, ``hydra.compose``, each sweep trial) is also ch
 new key, before Hydra's own "Could not override" (which would not say where the key went).
 
 It also registers the ``sweep_direction`` resolver: ``${sweep_direction:${optimized_metric_mode}}`` turns the
-checkpoint callback's ``min``/``max`` into the Optuna sweeper's ``minimize``/``maximize`` (conf/hparams_search/).
+checkpoint callback's ``min``/``max`` into the Optuna sweeper's ``minimize``/``maximize`` (conf/hparams_search/),
+and the ``run_stamp`` resolver of conf/hydra/default.yaml: a run directory name unique per process
+(:func:`src.run_dir.run_stamp`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,10 @@ def install() -> None:
 
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", sweep_direction)
+    if not OmegaConf.has_resolver("run_stamp"):
+        from src.run_dir import run_stamp
+
+        OmegaConf.register_new_resolver("run_stamp", run_stamp)
     from hydra._internal import defaults_list
 
     original = defaults_list.Overrides.__init__

@@ -33,6 +33,7 @@ from src.checkpoints import (
 )
 from src.memory_estimate import MemoryEstimate
 from src.metrics.presets import apply_eval_preset
+from src.run_dir import claim_run_dir, release
 from src.runtime import print_metrics, set_float_environment, write_json_atomic
 from src.sweep_report import install as _install_sweep_report
 
@@ -244,7 +245,12 @@ def ddp_consistency(trainer: L.Trainer, model: L.LightningModule) -> dict[str, A
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    metrics = train(cfg)
+    # one run, one directory: refuse a run dir another run used (unless resuming from it), then lock it
+    lock = claim_run_dir(_output_dir(cfg), cfg.get("ckpt_path"))
+    try:
+        metrics = train(cfg)
+    finally:
+        release(lock)
     return optimized_value(metrics, cfg, required=sweeper_needs_value())
 
 
