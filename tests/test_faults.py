@@ -3,7 +3,7 @@
     make faults      # = FAULTS_OUT=benchmarks/results python -m pytest -q -s -m slow tests/test_faults.py
 
 Every case runs the real entry points (``python -m src.train``, the checkpoint IO, the data readers) under a
-fault — SIGKILL mid-epoch and mid-save, a NaN, a truncated or foreign checkpoint, corrupt data files, a full
+fault — SIGKILL mid-epoch (one process and DDP) and mid-save, a NaN, a truncated or foreign checkpoint, corrupt data files, a full
 disk, runs started together — and asserts what must hold afterwards. Where an existing test already covers a
 case (tests/test_resume_kill.py, tests/test_checkpoint_safety.py, tests/test_infra.py, the data tests) the case
 calls it, so the suite and the default tests check the same thing. At the end of the module the table — case,
@@ -100,6 +100,16 @@ def test_sigkill_from_outside_then_resume(tmp_path):
               "a run killed by `kill -9` from another process once epoch 2's checkpoint exists resumes to the "
               "uninterrupted run's parameters and test metrics; training time continues"):
         outside_kill(tmp_path)
+
+
+def test_ddp_sigkill_mid_epoch_then_resume(tmp_path):
+    from tests.test_ddp_resume import test_ddp_sigkill_mid_epoch_then_resume_is_bit_equal as ddp_kill_resume
+
+    with case("SIGKILL mid-epoch, resume (DDP, 2 processes)",
+              "DKEF under trainer=ddp_cpu with rank-dependent RNG streams, both ranks killed by SIGKILL mid-epoch, "
+              "resumed: parameters, optimiser, every rank's RNG streams and warm starts, test metrics bit-equal to "
+              "the uninterrupted run in float64"):
+        ddp_kill_resume(tmp_path, "dkef")
 
 
 KILL_MID_SAVE = """

@@ -35,6 +35,7 @@ tensor it takes from the data module is cast to the module's dtype and device (:
 
 from __future__ import annotations
 
+import logging
 import random
 import warnings
 from collections.abc import Mapping
@@ -51,6 +52,8 @@ from src.deq.block import PHANTOM_TRUNCATION_WARN, DEQBlock, phantom_truncation
 from src.metrics.evaluation import build_metrics
 from src.objectives.base import ObjectiveOutput
 from src.objectives.registry import objective_from_config
+
+log = logging.getLogger(__name__)
 
 
 def batch_tensor(batch: Any) -> torch.Tensor:
@@ -86,6 +89,53 @@ def restore_rng_states(states: dict) -> None:
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def rank_state(trainer, warm_start: dict) -> dict:
+    """This rank's part of a checkpoint that differs between DDP ranks: its RNG streams
+    (:func:`capture_rng_states`), its training loaders' positions (src.data.resumable) and its DEQ blocks'
+    warm-start fixed points (of its own rows)."""
+    loader = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    loaders = loader._state_dicts() if loader is not None else []
+    return {"rank": int(trainer.global_rank), "rng": capture_rng_states(), "loaders": loaders,
+            "warm_start": warm_start}  # CPU copies (DEQBlock.warm_start_state)
+
+
+def gather_rank_states(trainer, warm_start: dict) -> list[dict] | None:
+    """Every rank's :func:`rank_state`, in rank order (a collective: every rank calls it as a checkpoint is
+    saved, rank 0 writes it); None with one process."""
+    import torch.distributed as dist
+
+    if getattr(trainer, "world_size", 1) <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rank_state(trainer, warm_start))
+    return sorted(gathered, key=lambda r: r["rank"])
+
+
+def restore_rank_state(checkpoint: dict, trainer) -> dict | None:
+    """Give this rank its own saved RNG streams and loader positions (scatter of :func:`gather_rank_states`):
+    the loader positions replace rank 0's in the checkpoint's loop state, which Lightning applies next. Returns
+    this rank's saved state (its warm starts are loaded by the caller), or None, after one log line, when the
+    checkpoint's world size is not this run's (then every rank continues from rank 0's streams: the run goes on,
+    not bit-equal to an uninterrupted run of either size)."""
+    ranks = checkpoint.get("deqsm_rank_states")
+    world = int(getattr(trainer, "world_size", 1) or 1)
+    saved_world = len(ranks) if ranks else 1
+    if saved_world != world:
+        if getattr(trainer, "is_global_zero", True):
+            log.warning("resuming a checkpoint of world size %d with world size %d: every rank continues from rank "
+                        "0's RNG streams and loader position, so the run goes on but is not bit-equal to an "
+                        "uninterrupted one", saved_world, world)
+        return None
+    if not ranks:
+        return None
+    mine = ranks[int(trainer.global_rank)]
+    restore_rng_states(mine["rng"])
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    if mine["loaders"] and "combined_loader" in fit_state:
+        fit_state["combined_loader"] = mine["loaders"]
+    return mine
 
 
 _OPTIMIZER_KEYS = {"lr", "weight_decay", "betas", "eps", "momentum", "name", "amsgrad"}
@@ -492,6 +542,10 @@ class DeqsmModule(L.LightningModule):
         checkpoint["deqsm_family"] = type(self).__name__  # named when a checkpoint is given to another family
         checkpoint["deqsm_rng_states"] = capture_rng_states()
         checkpoint["deqsm_warm_start"] = {name: m.warm_start_state() for name, m in self._deq_blocks()}
+        trainer = getattr(self, "_trainer", None)
+        ranks = gather_rank_states(trainer, checkpoint["deqsm_warm_start"]) if trainer is not None else None
+        if ranks is not None:  # DDP: every rank's RNG streams, loader positions, warm starts (rank 0's above)
+            checkpoint["deqsm_rank_states"] = ranks
         bad = nonfinite_entries(checkpoint)
         if bad:
             raise NonFiniteCheckpointError(
@@ -520,7 +574,10 @@ class DeqsmModule(L.LightningModule):
             trainer.precision_plugin.convert_module(self)
         if "deqsm_rng_states" in checkpoint:
             restore_rng_states(checkpoint["deqsm_rng_states"])
-        states = checkpoint.get("deqsm_warm_start", {})
+        mine = None
+        if trainer is not None and trainer.state.fn == "fit":
+            mine = restore_rank_state(checkpoint, trainer)  # under DDP: this rank's own streams, position
+        states = mine["warm_start"] if mine is not None else checkpoint.get("deqsm_warm_start", {})
         for name, m in self._deq_blocks():
             if name in states:
                 m.load_warm_start_state(states[name])
