@@ -1,7 +1,7 @@
 # deqsm developer commands. `make install` then `make test`.
 PY ?= python
 
-.PHONY: install test test-all train lint clean bench
+.PHONY: install test test-all train lint clean bench faults
 
 install:
 	pip install torch==2.13.0
@@ -12,6 +12,11 @@ test:
 
 test-all:
 	$(PY) -m pytest -q -m "slow or not slow"
+
+# the fault suite (tests/test_faults.py): kills, NaN, corrupt files, full disk, concurrent runs -> a table in
+# benchmarks/results/faults.md and faults.json
+faults:
+	FAULTS_OUT=benchmarks/results $(PY) -m pytest -q -s -m slow tests/test_faults.py
 
 train:
 	$(PY) -m src.train $(ARGS)

@@ -38,6 +38,7 @@ from src.runs.checkpoints import (
     remove_stale_temporaries,
 )
 from src.runs.environment import print_metrics, set_float_environment
+from src.runs.run_dir import claim_run_dir, release
 
 _install_sweep_report()  # an Optuna sweep reports its failed trials and goes on (src/reports/optuna_sweep.py)
 
@@ -236,7 +237,12 @@ def ddp_consistency(trainer: L.Trainer, model: L.LightningModule) -> dict[str, A
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def main(cfg: DictConfig) -> float | None:
-    metrics = train(cfg)
+    # one run, one directory: refuse a run dir another run used (unless resuming from it), then lock it
+    lock = claim_run_dir(_output_dir(cfg), cfg.get("ckpt_path"))
+    try:
+        metrics = train(cfg)
+    finally:
+        release(lock)
     return optimized_value(metrics, cfg, required=sweeper_needs_value())
 
 

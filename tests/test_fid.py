@@ -3,7 +3,6 @@ its checksum, and the TorchScript Inception route."""
 
 from __future__ import annotations
 
-import functools
 import shutil
 import subprocess
 import sys
@@ -207,16 +206,15 @@ def test_bootstrap_sd_matches_the_fids_sampling_distribution(one_thread):
 
 
 # ------------------------------------------------------------------------------------------------- MNIST
-@functools.lru_cache(maxsize=1)
-def _load_mnist(root: str) -> dict:
+@pytest.fixture(scope="module")
+def mnist():
+    """MNIST, read once for this module and released after it (an lru_cache held it for the whole session)."""
     from src.data.mnist import load_mnist
+    from tests.conftest import SHARED_DATA
 
-    return load_mnist(root, download=False)
-
-
-@pytest.fixture
-def mnist(shared_data):
-    return _load_mnist(str(shared_data))
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"verified data sets not found at {SHARED_DATA}")
+    return load_mnist(str(SHARED_DATA), download=False)
 
 
 @pytest.fixture(scope="module")

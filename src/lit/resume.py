@@ -1,7 +1,9 @@
 """Exact resume of every LightningModule: what a checkpoint holds beyond the weights, and putting it back.
 
 A checkpoint also holds the family's name, the RNG states (:mod:`src.runs.rng`) and each DEQ block's
-warm-start fixed points, so a resumed run continues exactly; non-finite states are refused at save time with
+warm-start fixed points, so a resumed run continues exactly; under DDP every rank's RNG streams, training-loader
+position and warm starts (:func:`gather_rank_states`), each given back to its own rank on resume
+(:func:`restore_rank_state`); non-finite states are refused at save time with
 the newest finite checkpoint named. Validation leaves the training RNG where it found it
 (:class:`src.runs.rng.EvaluationRngGuard`, added by ``configure_callbacks``).
 
@@ -10,9 +12,60 @@ the newest finite checkpoint named. Validation leaves the training RNG where it 
 
 from __future__ import annotations
 
+import logging
+
 from src.deq.lookup import blocks_of
 from src.runs.checkpoints import NonFiniteCheckpointError, newest_checkpoint, nonfinite_entries
 from src.runs.rng import EvaluationRngGuard, capture_rng_states, restore_rng_states
+
+log = logging.getLogger(__name__)
+
+
+def rank_state(trainer, warm_start: dict) -> dict:
+    """This rank's part of a checkpoint that differs between DDP ranks: its RNG streams
+    (:func:`~src.runs.rng.capture_rng_states`), its training loaders' positions (src.data.resumable) and its DEQ
+    blocks' warm-start fixed points (of its own rows)."""
+    loader = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    loaders = loader._state_dicts() if loader is not None else []
+    return {"rank": int(trainer.global_rank), "rng": capture_rng_states(), "loaders": loaders,
+            "warm_start": warm_start}  # CPU copies (DEQBlock.warm_start_state)
+
+
+def gather_rank_states(trainer, warm_start: dict) -> list[dict] | None:
+    """Every rank's :func:`rank_state`, in rank order (a collective: every rank calls it as a checkpoint is
+    saved, rank 0 writes it); None with one process."""
+    import torch.distributed as dist
+
+    if getattr(trainer, "world_size", 1) <= 1 or not (dist.is_available() and dist.is_initialized()):
+        return None
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rank_state(trainer, warm_start))
+    return sorted(gathered, key=lambda r: r["rank"])
+
+
+def restore_rank_state(checkpoint: dict, trainer) -> dict | None:
+    """Give this rank its own saved RNG streams and loader positions (scatter of :func:`gather_rank_states`):
+    the loader positions replace rank 0's in the checkpoint's loop state, which Lightning applies next. Returns
+    this rank's saved state (its warm starts are loaded by the caller), or None, after one log line, when the
+    checkpoint's world size is not this run's (then every rank continues from rank 0's streams: the run goes on,
+    not bit-equal to an uninterrupted run of either size)."""
+    ranks = checkpoint.get("deqsm_rank_states")
+    world = int(getattr(trainer, "world_size", 1) or 1)
+    saved_world = len(ranks) if ranks else 1
+    if saved_world != world:
+        if getattr(trainer, "is_global_zero", True):
+            log.warning("resuming a checkpoint of world size %d with world size %d: every rank continues from rank "
+                        "0's RNG streams and loader position, so the run goes on but is not bit-equal to an "
+                        "uninterrupted one", saved_world, world)
+        return None
+    if not ranks:
+        return None
+    mine = ranks[int(trainer.global_rank)]
+    restore_rng_states(mine["rng"])
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    if mine["loaders"] and "combined_loader" in fit_state:
+        fit_state["combined_loader"] = mine["loaders"]
+    return mine
 
 
 class ResumeHooksMixin:
@@ -37,6 +90,10 @@ class ResumeHooksMixin:
         checkpoint["deqsm_family"] = type(self).__name__  # named when a checkpoint is given to another family
         checkpoint["deqsm_rng_states"] = capture_rng_states()
         checkpoint["deqsm_warm_start"] = {name: m.warm_start_state() for name, m in blocks_of(self)}
+        trainer = getattr(self, "_trainer", None)
+        ranks = gather_rank_states(trainer, checkpoint["deqsm_warm_start"]) if trainer is not None else None
+        if ranks is not None:  # DDP: every rank's RNG streams, loader positions, warm starts (rank 0's above)
+            checkpoint["deqsm_rank_states"] = ranks
         bad = nonfinite_entries(checkpoint)
         if bad:
             raise NonFiniteCheckpointError(
@@ -65,7 +122,10 @@ class ResumeHooksMixin:
             trainer.precision_plugin.convert_module(self)
         if "deqsm_rng_states" in checkpoint:
             restore_rng_states(checkpoint["deqsm_rng_states"])
-        states = checkpoint.get("deqsm_warm_start", {})
+        mine = None
+        if trainer is not None and trainer.state.fn == "fit":
+            mine = restore_rank_state(checkpoint, trainer)  # under DDP: this rank's own streams, position
+        states = mine["warm_start"] if mine is not None else checkpoint.get("deqsm_warm_start", {})
         for name, m in blocks_of(self):
             if name in states:
                 m.load_warm_start_state(states[name])
