@@ -23,8 +23,8 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-from src.runs.checkpoints import load_checked
 from src.lit.resume import restore_rank_state
+from src.runs.checkpoints import load_checked
 from src.runs.rng import capture_rng_states
 from tests.conftest import FAST, REPO_ROOT, SHARED_DATA
 from tests.test_resume_kill import COMMON, assert_equal_tree
