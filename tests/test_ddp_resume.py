@@ -145,7 +145,7 @@ def test_a_world_size_change_is_one_line_and_goes_on(caplog):
     before = torch.get_rng_state()
     assert restore_rank_state(ckpt, fake_trainer(0, 1)) is None
     assert torch.equal(torch.get_rng_state(), before)  # left as the checkpoint's rank-0 state put it
-    (record,) = [r for r in caplog.records if r.name == "src.lit.base"]
+    (record,) = [r for r in caplog.records if r.name == "src.lit.resume"]
     assert record.getMessage().startswith("resuming a checkpoint of world size 2 with world size 1: ")
     assert "\n" not in record.getMessage()
     assert ckpt["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"seed": 0, "epoch": 1, "batches": 3}]
