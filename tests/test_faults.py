@@ -32,7 +32,7 @@ from tests.conftest import FAST, REPO_ROOT, compose_train
 
 pytestmark = pytest.mark.slow
 
-COMMAND = "make faults"
+COMMAND = "python -m pytest -q -s -m slow tests/test_faults.py"  # with FAULTS_OUT=benchmarks/results: make faults
 ROWS: list[dict] = []
 
 
@@ -75,8 +75,9 @@ def fault_table():
              "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
              "cpus": os.cpu_count(), "passed": sum(r["result"] == "PASS" for r in ROWS), "cases": len(ROWS)}
     Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "faults.json").write_text(json.dumps({**facts, "rows": ROWS}, indent=2) + "\n")
-    head = (f"# Fault suite\n\nCommand: `{COMMAND}` (tests/test_faults.py). {facts['date_utc']} UTC, "
+    (Path(out) / "faults.json").write_text(json.dumps({"meta": facts, "rows": ROWS}, indent=2) + "\n")
+    head = (f"# Fault suite\n\nCommand: `make faults` (`FAULTS_OUT=benchmarks/results {COMMAND}`). "
+            f"{facts['date_utc']} UTC, "
             f"Python {facts['python']}, torch {facts['torch']}, {facts['machine']}, {facts['cpus']} CPUs: "
             f"{facts['passed']} of {facts['cases']} cases pass.\n\n")
     (Path(out) / "faults.md").write_text(head + text + "\n")
