@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import datetime
 import errno
-import json
 import os
 import platform
 import signal
@@ -28,6 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from benchmarks.tools.fault_table import table as fault_rows_table
+from benchmarks.tools.fault_table import write as write_fault_table
 from tests.conftest import FAST, REPO_ROOT, compose_train
 
 pytestmark = pytest.mark.slow
@@ -54,19 +55,11 @@ def case(name: str, checked: str):
         ROWS.append(row)
 
 
-def table(rows: list[dict]) -> str:
-    lines = ["| case | what is checked | result | s |", "|---|---|---|---|"]
-    for r in rows:
-        result = r["result"] + (f" ({r['detail']})" if r.get("detail") else "")
-        lines.append(f"| {r['case']} | {r['checked']} | {result} | {r['seconds']} |")
-    return "\n".join(lines)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def fault_table():
     ROWS.clear()
     yield
-    text = table(ROWS)
+    text = fault_rows_table(ROWS)
     print("\n\nfault suite\n" + text)
     out = os.environ.get("FAULTS_OUT")
     if not out:
@@ -74,13 +67,7 @@ def fault_table():
     facts = {"command": COMMAND, "date_utc": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M"),
              "python": platform.python_version(), "torch": torch.__version__, "machine": platform.machine(),
              "cpus": os.cpu_count(), "passed": sum(r["result"] == "PASS" for r in ROWS), "cases": len(ROWS)}
-    Path(out).mkdir(parents=True, exist_ok=True)
-    (Path(out) / "faults.json").write_text(json.dumps({"meta": facts, "rows": ROWS}, indent=2) + "\n")
-    head = (f"# Fault suite\n\nCommand: `make faults` (`FAULTS_OUT=benchmarks/results {COMMAND}`). "
-            f"{facts['date_utc']} UTC, "
-            f"Python {facts['python']}, torch {facts['torch']}, {facts['machine']}, {facts['cpus']} CPUs: "
-            f"{facts['passed']} of {facts['cases']} cases pass.\n\n")
-    (Path(out) / "faults.md").write_text(head + text + "\n")
+    write_fault_table(Path(out), {"meta": facts, "rows": ROWS})
 
 
 # --------------------------------------------------------------------------------------------- kill and resume

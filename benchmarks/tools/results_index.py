@@ -36,6 +36,7 @@ REBUILT_BY = {
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
     "dkef_step_profile": "benchmarks.tools.dkef_step_profile --render",
+    "faults": "benchmarks.tools.fault_table --render",
     "dkef_paper_protocol": "benchmarks.tools.dkef_paper_protocol --render",
     "gpu_suite": "benchmarks.tools.gpu_suite --render",
     "ncsn_langevin_step": "benchmarks.studies.ncsn_langevin_step --render",
