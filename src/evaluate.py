@@ -14,19 +14,17 @@ from __future__ import annotations
 import sys
 
 from src.runs.evaluation import evaluate
-from src.runs.load import parse_trust
+from src.runs.load import parse_trust, split_arguments
 
 _OWN_KEYS = ("ckpt_path", "trust_checkpoint")
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in _OWN_KEYS and "=" in a}
+    own, overrides = split_arguments(list(sys.argv[1:] if argv is None else argv), _OWN_KEYS)
     if "ckpt_path" not in own:
         raise SystemExit("usage: python -m src.evaluate ckpt_path=<run dir>/checkpoints/last.ckpt "
                          "[trust_checkpoint=true] [key=value ...]")
-    evaluate(own["ckpt_path"], [a for a in argv if a.split("=", 1)[0] not in _OWN_KEYS],
-             trust=parse_trust(own.get("trust_checkpoint", "false")))
+    evaluate(own["ckpt_path"], overrides, trust=parse_trust(own.get("trust_checkpoint", "false")))
 
 
 if __name__ == "__main__":

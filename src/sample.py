@@ -17,20 +17,19 @@ from __future__ import annotations
 
 import sys
 
-from src.runs.load import parse_trust
+from src.runs.load import parse_trust, split_arguments
 from src.runs.sampling import sample_from_checkpoint
 
 _OWN_KEYS = ("ckpt_path", "n", "seed", "out", "trust_checkpoint")
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in _OWN_KEYS and "=" in a}
+    own, overrides = split_arguments(list(sys.argv[1:] if argv is None else argv), _OWN_KEYS)
     if "ckpt_path" not in own:
         raise SystemExit("usage: python -m src.sample ckpt_path=<run dir>/checkpoints/last.ckpt n=64 [seed=0] "
                          "[out=<file.png>] [trust_checkpoint=true] [key=value ...]")
     sample_from_checkpoint(own["ckpt_path"], n=int(own.get("n", 64)), seed=int(own.get("seed", 0)),
-                           out=own.get("out"), overrides=[a for a in argv if a.split("=", 1)[0] not in _OWN_KEYS],
+                           out=own.get("out"), overrides=overrides,
                            trust=parse_trust(own.get("trust_checkpoint", "false")))
 
 

@@ -17,8 +17,8 @@ from torch import nn
 from src.config.deq import resolve_depth, resolve_injection
 from src.deq.config import DEQConfig
 from src.models.deq_net import DEQNet, DEQNetFactory
-from src.models.features import MLPFeatures, build_feature_net
-from src.models.nice import deq_coupling_factory, mlp
+from src.models.features import MLPFeatures, build_feature_net, mlp
+from src.models.nice import deq_coupling_factory
 from tests.conftest import compose_train
 
 TIGHT = {"enabled": True, "tol": 1e-12, "max_iter": 50, "warm_start": False}

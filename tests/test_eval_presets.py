@@ -9,9 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
+from src.metrics import presets
 from src.metrics.presets import apply_eval_preset, choose_preset
+from src.runs.evaluation import evaluate
 from src.train import train
 from tests.conftest import FAST, REPO_ROOT, compose_train
 
@@ -130,6 +132,41 @@ def test_command_line_run_states_its_preset(tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["eval/model.metrics.log_likelihood.samples"] == 200000  # on the command line: above quick's cap
     assert saved["eval/model.metrics.exact_sm.test_points"] == 256
+
+
+def test_auto_composes_the_presets_it_may_choose(monkeypatch):
+    """eval=auto holds quick and standard as Hydra composed them (conf/eval/auto.yaml's defaults list): applying
+    one reads no file and composes nothing at run time."""
+    cfg = compose_train([*NCSN, "trainer.max_steps=50"])
+    assert cfg.eval.name == "auto" and set(cfg.eval.presets) == {"quick", "standard"}
+    assert cfg.eval.presets.quick.mode == "cap" and cfg.eval.presets.quick.settings["model.metrics.fid.n_samples"] == 128
+    assert compose_train(["eval=paper"]).eval.get("presets") is None  # a named preset is cfg.eval itself
+
+    def refuse(name):
+        raise AssertionError(f"composed {name} at run time")
+
+    monkeypatch.setattr(presets, "composed_preset", refuse)
+    assert apply_eval_preset(cfg, explicit=[])["eval/model.metrics.fid.n_samples"] == 128
+    assert apply_eval_preset(compose_train(["trainer.max_steps=5000"]), explicit=[])["eval/preset"] == "standard"
+
+
+def test_run_config_written_before_composed_presets_still_evaluates(tmp_path, caplog):
+    """A run directory whose .hydra/config.yaml has the eval node of an older version (``{name: auto,
+    quick_max_steps: 2000}``, no presets): src.evaluate composes the preset auto picks, says so, and records it."""
+    cfg = compose_train([*FAST, "trainer.max_steps=3", "trainer.enable_progress_bar=false",
+                         "callbacks=default", "callbacks.progress_bar=null"], tmp_path)
+    train(cfg)
+    with open_dict(cfg):
+        cfg.eval = OmegaConf.create({"name": "auto", "quick_max_steps": 2000})  # as older versions saved it
+    (tmp_path / ".hydra").mkdir()
+    OmegaConf.save(cfg, tmp_path / ".hydra" / "config.yaml")
+    with caplog.at_level("INFO", logger=presets.__name__):
+        saved = evaluate(tmp_path / "checkpoints" / "last.ckpt")
+    assert saved["eval/preset"] == "quick"
+    assert saved["eval/model.metrics.exact_sm.test_points"] == 256       # quick's cap, composed from conf/eval
+    assert saved["eval/model.metrics.log_likelihood.samples"] == 2000    # FAST's smaller value stays
+    assert "composed from this version's conf/eval" in caplog.text
+    assert json.loads((tmp_path / "eval_metrics.json").read_text())["eval/preset"] == "quick"
 
 
 def test_exact_sm_backward_budget_sizes_points_by_dimension():

@@ -297,6 +297,16 @@ class _ConvKernels:
     the √(k·k) factor when ``lipschitz_safe``) or spectral (:func:`conv_spectral_normalize`, one power step per
     training call on the persistent probe vector ``sn_u_<kernel>``)."""
 
+    def _init_conv(self, in_channels: int, channels: int, kernel_size: int, injection: nn.Module | None,
+                   lipschitz_safe: bool) -> int:
+        """The settings both convolutional blocks share (``deq.norm`` checked, odd kernel size, the injection g,
+        default ``nn.Conv2d(in_channels, channels, k)`` with same padding); returns k."""
+        _conv_norm(self.config)
+        k = _odd(kernel_size)
+        self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
+        self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)
+        return k
+
     def _init_spectral(self, *names: str) -> None:
         if self.config.norm != "spectral":
             return
@@ -329,10 +339,7 @@ class ConvDEQBlock(_ConvKernels, DEQBlock):
     def __init__(self, in_channels: int, channels: int, kernel_size: int = 3, injection: nn.Module | None = None,
                  config: DEQConfig | None = None, name: str = "deq", lipschitz_safe: bool = True):
         super().__init__(config, name)
-        _conv_norm(self.config)
-        k = _odd(kernel_size)
-        self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
-        self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)
+        k = self._init_conv(in_channels, channels, kernel_size, injection, lipschitz_safe)
         self.kernel = nn.Parameter(torch.randn(channels, channels, k, k) / math.sqrt(channels * k * k))
         self.phi = ConvMap(k // 2)
         self._init_spectral("kernel")
@@ -353,10 +360,7 @@ class ResidualDEQBlock(_ConvKernels, DEQBlock):
     def __init__(self, in_channels: int, channels: int, kernel_size: int = 3, injection: nn.Module | None = None,
                  config: DEQConfig | None = None, name: str = "deq", lipschitz_safe: bool = True):
         super().__init__(config, name)
-        _conv_norm(self.config)
-        k = _odd(kernel_size)
-        self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
-        self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)
+        k = self._init_conv(in_channels, channels, kernel_size, injection, lipschitz_safe)
         scale = 1.0 / math.sqrt(channels * k * k)
         self.kernel1 = nn.Parameter(torch.randn(channels, channels, k, k) * scale)
         self.bias1 = nn.Parameter(torch.zeros(channels))

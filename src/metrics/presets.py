@@ -16,13 +16,19 @@ training steps (or ``trainer.fast_dev_run``), else ``standard``; ``paper`` is on
 The choice and the reason are logged at start-up; :func:`apply_eval_preset` returns ``eval/preset`` and the
 value in force of every key the preset governs (``eval/<key>``), which ``src.train`` writes to metrics.json
 beside the figures, so a quick FID is never mistaken for a paper FID.
+
+Hydra composes every preset a run may need; nothing reads conf/ files by path. ``eval=<name>`` composes
+that preset into ``cfg.eval`` itself (so ``eval.settings.*`` can be overridden); conf/eval/auto.yaml composes
+the two it may choose through its defaults list, as ``cfg.eval.presets.quick`` and ``cfg.eval.presets.standard``
+(:func:`preset_of`). A run directory written before that (its ``.hydra/config.yaml`` has ``eval: {name: auto,
+quick_max_steps: …}`` and no ``presets``) is still evaluated: the preset is composed by Hydra from this version's
+config groups, as the run itself then loaded it, and the start-up log says so.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,15 +37,41 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 log = logging.getLogger(__name__)
 
 PRESETS = ("quick", "standard", "paper")
-PRESET_DIR = Path(__file__).resolve().parents[2] / "conf" / "eval"
 _MISSING = object()
 
 
-def load_preset(name: str) -> DictConfig:
-    """``conf/eval/<name>.yaml`` (one of :data:`PRESETS`)."""
+def check_preset_name(name: str) -> None:
+    """One clear error for a name that is not one of :data:`PRESETS`."""
     if name not in PRESETS:
         raise ValueError(f"eval={name!r} is not an evaluation preset; valid: auto, {', '.join(PRESETS)}")
-    return OmegaConf.load(PRESET_DIR / f"{name}.yaml")
+
+
+def composed_preset(name: str) -> DictConfig:
+    """The preset ``name`` as Hydra composes ``eval=<name>`` from the config groups of this version (the
+    fallback for a run config written before eval=auto composed its presets)."""
+    from hydra import compose, initialize
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its own config search path
+        return compose(config_name="train", overrides=[f"eval={name}"]).eval
+    with initialize(config_path="../../conf", version_base="1.3"):
+        return compose(config_name="train", overrides=[f"eval={name}"]).eval
+
+
+def preset_of(cfg: DictConfig, name: str) -> DictConfig:
+    """The preset ``name`` (one of :data:`PRESETS`) as composed into ``cfg.eval``: ``cfg.eval`` itself for
+    ``eval=<name>``, ``cfg.eval.presets.<name>`` for ``eval=auto``; for a run config of an older version that
+    lacks them, :func:`composed_preset` (logged)."""
+    check_preset_name(name)
+    ev = cfg.get("eval")
+    if ev is not None and ev.get("name") == name and "settings" in ev:
+        return ev
+    presets = ev.get("presets") if ev is not None else None
+    if presets is not None and name in presets:
+        return presets[name]
+    log.info("evaluation preset %s is not composed into this config's eval node (a run config of an older "
+             "version): composed from this version's conf/eval", name)
+    return composed_preset(name)
 
 
 def _on_gpu(trainer: Mapping) -> bool:
@@ -54,7 +86,7 @@ def choose_preset(cfg: DictConfig) -> tuple[str, str]:
     ev = cfg.get("eval")
     name = "standard" if ev is None else str(ev.get("name", "standard"))
     if name != "auto":
-        load_preset(name)  # a clear error for an unknown name
+        check_preset_name(name)
         return name, f"eval={name}"
     trainer = cfg.get("trainer") or {}
     limit = int(ev.get("quick_max_steps", 2000))
@@ -115,8 +147,7 @@ def apply_eval_preset(cfg: DictConfig, explicit: Iterable[str] | None = None) ->
     explicit = set(hydra_override_keys() if explicit is None else explicit)
     name, reason = choose_preset(cfg)
     ev = cfg.get("eval")
-    # eval=<name> composes the preset into cfg.eval (so eval.settings.* can be overridden); auto loads its pick
-    preset = ev if ev is not None and ev.get("name") == name and "settings" in ev else load_preset(name)
+    preset = preset_of(cfg, name)
     cap = str(preset.get("mode", "set")) == "cap"
     record: dict[str, Any] = {"eval/preset": name}
     changed = []

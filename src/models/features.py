@@ -19,20 +19,28 @@ from src.config.deq import deq_setting, resolve_depth
 from src.models.deq_net import DEQNet
 
 
+def mlp(in_dim: int, out_dim: int, hidden: int = 1000, n_layers: int = 5, setting: str = "mlp_layers",
+        ) -> nn.Sequential:
+    """``n_layers`` dense layers in_dim → hidden → … → hidden → out_dim with Softplus between them (the
+    explicit stack of DKEF's feature network and of NICE's couplings); ``setting``: the config key of
+    ``n_layers``, named when it is < 1."""
+    if n_layers < 1:
+        raise ValueError(f"{setting} must be >= 1 (number of dense layers), got {n_layers}")
+    layers: list[nn.Module] = []
+    width = in_dim
+    for _ in range(n_layers - 1):
+        layers += [nn.Linear(width, hidden), nn.Softplus()]
+        width = hidden
+    layers.append(nn.Linear(width, out_dim))
+    return nn.Sequential(*layers)
+
+
 class MLPFeatures(nn.Module):
     """``depth`` dense layers with Softplus in between, linear read-out to ``out_dim``, linear skip from x."""
 
     def __init__(self, in_dim: int, out_dim: int, hidden: int = 30, depth: int = 3, skip: bool = True):
         super().__init__()
-        if depth < 1:
-            raise ValueError(f"depth must be >= 1 (number of dense layers of the feature network), got {depth}")
-        layers: list[nn.Module] = []
-        width = in_dim
-        for _ in range(depth - 1):
-            layers += [nn.Linear(width, hidden), nn.Softplus()]
-            width = hidden
-        layers.append(nn.Linear(width, out_dim))
-        self.net = nn.Sequential(*layers)
+        self.net = mlp(in_dim, out_dim, hidden=hidden, n_layers=depth, setting="depth")
         self.skip = nn.Linear(in_dim, out_dim, bias=False) if skip else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,21 +33,9 @@ import torch
 from torch import nn
 
 from src.models.deq_net import DEQNetFactory
+from src.models.features import mlp
 
 CouplingFactory = Callable[[int, int], nn.Module]
-
-
-def mlp(in_dim: int, out_dim: int, hidden: int = 1000, n_layers: int = 5) -> nn.Sequential:
-    """``n_layers`` dense layers in_dim → hidden → … → hidden → out_dim with Softplus between them."""
-    if n_layers < 1:
-        raise ValueError(f"mlp_layers must be >= 1 (number of dense layers per coupling), got {n_layers}")
-    layers: list[nn.Module] = []
-    width = in_dim
-    for _ in range(n_layers - 1):
-        layers += [nn.Linear(width, hidden), nn.Softplus()]
-        width = hidden
-    layers.append(nn.Linear(width, out_dim))
-    return nn.Sequential(*layers)
 
 
 class MLPCouplingFactory:

@@ -59,6 +59,7 @@ from .base import (
     check_positive_int,
     finalize,
     flat,
+    grad_wrt,
     has_log_density,
     log_density,
     make_leaf,
@@ -436,24 +437,8 @@ def cp(
                 torch.randint(0, 2, m.shape, generator=generator, device=m.device).to(m.dtype) * 2 - 1
                 for m in curv
             ]
-            (s_r,) = torch.autograd.grad(
-                us,
-                xl,
-                [w * v for w, v in zip(sq_pos, vs)],
-                create_graph=create_graph,
-                retain_graph=True,
-                allow_unused=True,
-                materialize_grads=True,
-            )
-            (s_i,) = torch.autograd.grad(
-                us,
-                xl,
-                [w * v for w, v in zip(sq_neg, vs)],
-                create_graph=create_graph,
-                retain_graph=True,
-                allow_unused=True,
-                materialize_grads=True,
-            )
+            s_r, s_i = (grad_wrt(us, xl, [w * v for w, v in zip(sq, vs)], create_graph=create_graph)
+                        for sq in (sq_pos, sq_neg))
             trace = trace + (flat(s_r) ** 2 - flat(s_i) ** 2).sum(-1)
         trace = trace / n_samples
     score_norm = 0.5 * (s**2).sum(-1)

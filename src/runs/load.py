@@ -114,6 +114,13 @@ def load_module(ckpt_path: str | Path, overrides: list[str] | None = None, trust
     return model, datamodule, cfg, run_dir
 
 
+def split_arguments(argv: list[str], own_keys: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """An entry point's ``key=value`` arguments: ``({key: value} of its own keys, the run-config overrides)``
+    (``src.evaluate``: ``ckpt_path``, ``trust_checkpoint``; ``src.sample`` adds ``n``, ``seed``, ``out``)."""
+    own = {a.split("=", 1)[0]: a.split("=", 1)[1] for a in argv if a.split("=", 1)[0] in own_keys and "=" in a}
+    return own, [a for a in argv if a.split("=", 1)[0] not in own_keys]
+
+
 def parse_trust(value: str) -> bool:
     """``trust_checkpoint=true|false`` of the command line."""
     if str(value).lower() not in ("true", "false"):
