@@ -71,8 +71,9 @@ class DEQBlock(nn.Module):
     - ``state_shape(x)``: the shape of z.
 
     After each forward, ``last_stats = {"iterations", "residual" (max over samples, absolute ‖f(z) − z‖),
-    "converged"}``; in implicit mode ``last_backward_stats`` sums up the adjoint solves run since the last
-    forward (``{"solves", "iterations" (max), "residual" (max), "converged"}``).
+    "converged", "hit_cap" (ran to ``deq.max_iter`` unconverged)}``; in implicit mode ``last_backward_stats``
+    sums up the adjoint solves run since the last forward (``{"solves", "iterations" (max), "residual" (max),
+    "converged", "hit_cap"}``). With ``deq.one_pass`` the block is its one-pass control: z = φ(0; p), no solve.
     """
 
     phi = None
@@ -149,7 +150,9 @@ class DEQBlock(nn.Module):
         """Statistics and (throttled) non-convergence warnings of every solve; level ≥ 1 = adjoint solves."""
         stats = {"iterations": int(result.iterations),
                  "residual": float(result.residual.max()) if result.residual.numel() else 0.0,
-                 "converged": bool(result.converged)}
+                 "converged": bool(result.converged),
+                 # ran to deq.max_iter without meeting the stop rule (counted by the profiling callback)
+                 "hit_cap": bool(not result.converged and int(result.iterations) >= int(self.config.max_iter))}
         if level == 0:
             self.last_stats = stats
             self.last_backward_stats = {}
@@ -160,6 +163,7 @@ class DEQBlock(nn.Module):
                 "iterations": max(b.get("iterations", 0), stats["iterations"]),
                 "residual": max(b.get("residual", 0.0), stats["residual"]),
                 "converged": b.get("converged", True) and stats["converged"],
+                "hit_cap": b.get("hit_cap", False) or stats["hit_cap"],
             }
         if stats["converged"]:
             return
@@ -210,8 +214,13 @@ class DEQBlock(nn.Module):
 
     def _forward(self, x: torch.Tensor, *cond) -> torch.Tensor:
         params = self.map_params(x, *cond)
-        z0 = self._initial(x, params[0])
         phi, cfg = self.phi, self.config
+        if cfg.one_pass:  # the one-pass control: φ(0; p), plain autograd, exactly an explicit network
+            z = phi(torch.zeros(self.state_shape(x), device=params[0].device, dtype=params[0].dtype), *params)
+            self.last_stats = {"iterations": 1, "residual": 0.0, "converged": True, "hit_cap": False}
+            self.last_backward_stats = {}
+            return z
+        z0 = self._initial(x, params[0])
         if cfg.backward == "implicit":
             z = fixed_point(phi, z0, params, self._solver_kwargs(), self._report)
         else:  # phantom gradient, Alg. 1

@@ -65,6 +65,8 @@ class ResidualMap:
     (z = ½(z + r(z)) + g ⇔ z = r(z) + 2g) while it caps the contraction rate at ≥ ½.
     """
 
+    additive_injection = True  # φ(z) = h(z) + g: src.deq.diagnostics reports ‖h(z*)‖ / ‖g‖
+
     def __init__(self, padding: int):
         self.padding = padding
 
@@ -77,6 +79,8 @@ class ConditionalResidualMap:
     """:class:`ResidualMap` conditioned per sample: φ(z) = conv(s ⊙ σ(conv(z, K₁) + β), K₂) + g(y), β and s
     ``[B, C]`` (NCSN's noise-level conditioning, computed outside the solver; App. D.4). Lipschitz in z
     ≤ max|s| · ‖K₁‖ · ‖K₂‖, so a bounded scale keeps the contraction."""
+
+    additive_injection = True  # φ(z) = h(z) + g: src.deq.diagnostics reports ‖h(z*)‖ / ‖g‖
 
     def __init__(self, padding: int):
         self.padding = padding
