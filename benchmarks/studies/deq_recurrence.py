@@ -51,6 +51,7 @@ CANDIDATES = {
     "vae": {"frobenius_l2": PAPER, "spectral_l2": "deq=true deq.norm=spectral deq.norm_lambda=2",
             "spectral_l1.2": "deq=true deq.norm=spectral deq.norm_lambda=1.2"},
     "ncsn": {"frobenius_l2": PAPER, "spectral_l2": "deq=true deq.norm=spectral deq.norm_lambda=2",
+             "normalized_residual": "deq=true deq.block=normalized_residual",
              "spectral_l1.5": "deq=true deq.norm=spectral deq.norm_lambda=1.5"},
 }
 SEEDS = (0, 1, 2)
@@ -226,6 +227,7 @@ def main(argv=None) -> None:
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset of the families")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    ap.add_argument("--arms", default=None, help="comma-separated family:arm subset (default: all)")
     args = ap.parse_args(argv)
     if args.grid != "stoprule" and not args.work:
         ap.error(f"{args.grid} needs --work <dir> (the run directories, outside the repository)")
@@ -236,7 +238,8 @@ def main(argv=None) -> None:
         results["stoprule"] = stop_rule()
     for grid in () if args.grid == "stoprule" else (("candidates", "decision") if args.grid == "report"
                                                      else (args.grid,)):
-        todo = [j for j in jobs(grid) if j["family"] in fams]
+        todo = [j for j in jobs(grid) if j["family"] in fams
+                and (not args.arms or f"{j['family']}:{j['arm']}" in args.arms.split(","))]
         if args.grid == "report":
             rows = [collect(j, work / grid) for j in todo]
         else:

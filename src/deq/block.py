@@ -22,7 +22,14 @@ from torch.profiler import record_function
 
 from src.deq.config import DEQConfig
 from src.deq.implicit import PHASE_SOLVE, fixed_point
-from src.deq.maps import ConditionalResidualMap, ConvMap, DenseMap, ResidualMap, dense_map
+from src.deq.maps import (
+    ConditionalResidualMap,
+    ConvMap,
+    DenseMap,
+    NormalizedResidualMap,
+    ResidualMap,
+    dense_map,
+)
 from src.deq.normalization import (
     conv_lipschitz_factor,
     conv_spectral_normalize,
@@ -31,8 +38,8 @@ from src.deq.normalization import (
 )
 from src.deq.solvers import SolverResult, solve
 
-__all__ = ["ConditionalResidualDEQBlock", "ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "ResidualDEQBlock",
-           "dense_map"]
+__all__ = ["ConditionalResidualDEQBlock", "ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "NormalizedResidualDEQBlock",
+           "ResidualDEQBlock", "dense_map"]
 
 PHASE_PHANTOM = "deq.phantom_steps"  # profiler label of the K phantom steps (forward; their graph is backpropagated
 # by whoever differentiates the output: the objective's trace / projection pass or the loss's backward)
@@ -410,3 +417,35 @@ class ConditionalResidualDEQBlock(ResidualDEQBlock):
         scale = 2.0 * torch.sigmoid(self.scale_logit(labels))
         return (self.injection(x), self._normalized("kernel1"), shift.to(x.dtype), scale.to(x.dtype),
                 self._normalized("kernel2"))
+
+
+class NormalizedResidualDEQBlock(DEQBlock):
+    """The DEQ paper authors' DEQ-NCSN block with identity injection (:class:`src.deq.maps.NormalizedResidualMap`):
+
+        f(z; x) = (z + r(z)) / w + x,  r = conv ∘ ELU ∘ IN ∘ conv ∘ ELU ∘ IN,  w = 2‖K₁‖_F‖K₂‖_F
+
+    ``deq.block=normalized_residual`` (NCSN). The state has the input's shape (``channels`` in and out); the
+    kernels are not normalized by ``deq.norm`` — w is the authors' normalization — and ``deq.norm_lambda`` is not
+    used. Conditioning enters through x (the features before it); ``block(x, labels)`` ignores the labels.
+    Kernels start as ``nn.Conv2d``'s default (so w ≈ 2·C/3 for C channels, 3×3)."""
+
+    def __init__(self, channels: int, kernel_size: int = 3, config: DEQConfig | None = None, name: str = "deq"):
+        super().__init__(config, name)
+        k = _odd(kernel_size)
+        self.channels, self.kernel_size = int(channels), k
+        bound = 1.0 / math.sqrt(channels * k * k)  # nn.Conv2d's default init: U(−1/√fan_in, 1/√fan_in)
+        self.kernel1 = nn.Parameter(torch.empty(channels, channels, k, k).uniform_(-bound, bound))
+        self.kernel2 = nn.Parameter(torch.empty(channels, channels, k, k).uniform_(-bound, bound))
+        self.gamma1 = nn.Parameter(torch.ones(channels))
+        self.beta1 = nn.Parameter(torch.zeros(channels))
+        self.gamma2 = nn.Parameter(torch.ones(channels))
+        self.beta2 = nn.Parameter(torch.zeros(channels))
+        self.phi = NormalizedResidualMap(k // 2)
+
+    def state_shape(self, x):
+        return tuple(x.shape)
+
+    def map_params(self, x, labels=None):
+        w = 2.0 * torch.linalg.vector_norm(self.kernel1) * torch.linalg.vector_norm(self.kernel2)
+        return (x, self.gamma1, self.beta1, self.kernel1, self.gamma2, self.beta2, self.kernel2,
+                (1.0 / w).to(x.dtype))

@@ -9,6 +9,7 @@ BACKWARDS = ("phantom", "implicit")
 STOP_MODES = ("abs", "rel")
 NORMS = ("frobenius", "spectral", "none")  # none: the weights as they are (hand-built maps)
 INJECTIONS = (None, "linear", "softplus")
+BLOCKS = (None, "normalized_residual")  # None: the family's block
 
 
 @dataclass
@@ -34,6 +35,10 @@ class DEQConfig:
     # autograd through it (no solve, no warm start, no phantom steps): the same network with the recurrence
     # removed, trained as an explicit net (src.deq.diagnostics.recurrence_share measures what it removes).
     one_pass: bool = False
+    # The DEQ block of an image family: None = the family's (NCSN: the Lipschitz-bounded DEQ-ResBlock of App. D.4,
+    # normalized by deq.norm); normalized_residual = the paper authors' code's block, (z + ResBlock(z))/w + x
+    # with norms inside and w = 2‖K₁‖_F‖K₂‖_F (src.deq.block.NormalizedResidualDEQBlock).
+    block: str | None = None
 
     def __post_init__(self):
         if self.solver not in SOLVERS:
@@ -47,6 +52,9 @@ class DEQConfig:
         if self.injection not in INJECTIONS:
             raise ValueError(f"deq.injection={self.injection!r} is unknown; valid: linear, softplus "
                              "(or null for the model family's default)")
+        if self.block not in BLOCKS:
+            raise ValueError(f"deq.block={self.block!r} is unknown; valid: normalized_residual (or null for the "
+                             "model family's block)")
         if float(self.norm_lambda) <= 1.0:
             raise ValueError(
                 f"deq.norm_lambda={self.norm_lambda} is invalid: it must be > 1 so that the DEQ map is a "

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.deq.block import ConditionalResidualDEQBlock, ResidualDEQBlock
+from src.deq.block import ConditionalResidualDEQBlock, NormalizedResidualDEQBlock, ResidualDEQBlock
 from src.models.ncsn_norm import norm_act
 
 ARCHS = ("refinenet", "deq")
@@ -252,7 +252,9 @@ class DEQResBlock(nn.Module):
         from src.models.deq_net import deq_settings
 
         config, _ = deq_settings(deq)
-        if num_classes is None:
+        if config.block == "normalized_residual":  # the paper authors' code's block (identity injection)
+            self.block = NormalizedResidualDEQBlock(channels, 3, config=config, name=name)
+        elif num_classes is None:
             self.block = LabelFreeResidualDEQBlock(channels, channels, 3, config=config, name=name)
         else:
             self.block = ConditionalResidualDEQBlock(channels, channels, num_classes, 3, config=config, name=name)
