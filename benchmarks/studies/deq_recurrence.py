@@ -60,14 +60,21 @@ KEYS = ("deq_recurrence_share", "deq_recurrence_share_max", "deq_branch_ratio", 
         "deq_iterations", "deq_hit_cap")
 
 
+RECORD = {  # each family's DEQ block of record (chosen on the candidates grid; its conf/experiment default)
+    "dkef": "deq=true deq.norm=spectral deq.norm_lambda=2",
+    "nice": "deq=true deq.norm=spectral deq.norm_lambda=1.2",
+}
+FULL_STEPS = {"dkef": 2700, "nice": 1000}  # the committed protocols: DKEF 300 epochs of RedWine, NICE 1000 steps
+
+
 def decision_arms(family: str) -> dict[str, str]:
-    """The four arms of the decision grid: DEQ of record (the family's config default), the paper's DEQ, the
-    one-pass control of the DEQ of record and the explicit network."""
-    return {"deq_record": "deq=true", "deq_paper": PAPER, "one_pass": "deq=true deq.one_pass=true",
+    """The four arms of the decision grid: DEQ of record, the paper's DEQ, the one-pass control of the DEQ of
+    record (the same network, z* replaced by φ(0; p), trained as an explicit net) and the explicit network."""
+    return {"deq_record": RECORD[family], "deq_paper": PAPER, "one_pass": f"{RECORD[family]} deq.one_pass=true",
             "explicit": EXPLICIT[family]}
 
 
-def jobs(grid: str) -> list[dict]:
+def jobs(grid: str, protocol: str = "short") -> list[dict]:
     out = []
     if grid == "candidates":  # round robin over the families: each family's first candidates come first
         for i in range(max(len(v) for v in CANDIDATES.values())):
@@ -80,6 +87,7 @@ def jobs(grid: str) -> list[dict]:
     else:
         for fam in ("dkef", "nice"):
             base, steps = FAMILIES[fam]
+            steps = FULL_STEPS[fam] if protocol == "full" else steps
             for seed in SEEDS:
                 for arm, over in decision_arms(fam).items():
                     out.append({"family": fam, "arm": arm, "seed": seed, "steps": steps,
@@ -228,6 +236,9 @@ def main(argv=None) -> None:
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset of the families")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--arms", default=None, help="comma-separated family:arm subset (default: all)")
+    ap.add_argument("--protocol", choices=("short", "full"), default="short",
+                    help="decision grid: short = the probe lengths (DKEF 600, NICE 200 steps), full = the committed "
+                         "protocols (DKEF 2700 ≈ 300 epochs, NICE 1000)")
     args = ap.parse_args(argv)
     if args.grid != "stoprule" and not args.work:
         ap.error(f"{args.grid} needs --work <dir> (the run directories, outside the repository)")
@@ -238,14 +249,15 @@ def main(argv=None) -> None:
         results["stoprule"] = stop_rule()
     for grid in () if args.grid == "stoprule" else (("candidates", "decision") if args.grid == "report"
                                                      else (args.grid,)):
-        todo = [j for j in jobs(grid) if j["family"] in fams
+        todo = [j for j in jobs(grid, args.protocol) if j["family"] in fams
                 and (not args.arms or f"{j['family']}:{j['arm']}" in args.arms.split(","))]
+        name = f"decision_{args.protocol}" if grid == "decision" else grid
         if args.grid == "report":
-            rows = [collect(j, work / grid) for j in todo]
+            rows = [collect(j, work / name) for j in todo]
         else:
             with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-                rows = list(pool.map(lambda j, g=grid: run_job(j, work / g, args.root), todo))
-        results[grid] = rows
+                rows = list(pool.map(lambda j, g=name: run_job(j, work / g, args.root), todo))
+        results[name] = rows
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     facts = {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
@@ -259,7 +271,7 @@ def main(argv=None) -> None:
     md = ["# DEQ recurrence share (benchmarks/studies/deq_recurrence.py)", "",
           "share = ‖z* − φ(0; p)‖/‖z*‖ per sample, mean over samples (and over blocks for DKEF / NICE), at the "
           "last step's validation; near-inert below 10 %. " + json.dumps(facts), ""]
-    for grid in ("candidates", "decision"):
+    for grid in ("candidates", "decision_short", "decision_full"):
         if grid in old:
             md.append(markdown(old[grid], grid))
     if "stoprule" in old:
