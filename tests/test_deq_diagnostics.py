@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.deq import DEQConfig, DenseDEQBlock, ResidualDEQBlock
+from src.deq import DenseDEQBlock, DEQConfig, ResidualDEQBlock
 from src.deq.block import DEQBlock
 from src.deq.diagnostics import NEAR_INERT_SHARE, near_inert, recurrence_share
 from src.deq.normalization import frobenius_normalize
