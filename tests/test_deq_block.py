@@ -133,11 +133,12 @@ def test_non_convergence_warns_with_name_residual_iterations_and_advice(backward
 
 
 def test_stats_after_forward():
-    block = aligned_block(tol=1e-8)
+    block = aligned_block(tol=1e-8, stop_mode="abs")
     block(torch.randn(4, 3, dtype=torch.float64))
     stats = block.last_stats
-    assert set(stats) == {"iterations", "residual", "converged"}
+    assert set(stats) == {"iterations", "residual", "converged", "hit_cap"}
     assert stats["converged"] and stats["residual"] <= 1e-8 and isinstance(stats["residual"], float)
+    assert stats["hit_cap"] is False
 
 
 @pytest.mark.parametrize("backward", ["phantom", "implicit"])
@@ -200,7 +201,7 @@ def test_cuda_implicit_matches_cpu():
 
 
 def test_implicit_backward_stats_record_the_adjoint_solves():
-    block = aligned_block(tol=1e-10, backward="implicit")
+    block = aligned_block(tol=1e-10, stop_mode="abs", backward="implicit")
     head = [torch.randn(12, 4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # every solve converged: no warning

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from src.deq.block import ConvDEQBlock, DenseDEQBlock, ResidualDEQBlock, dense_map
+from src.deq.block import ConvDEQBlock, DenseDEQBlock, NormalizedResidualDEQBlock, ResidualDEQBlock, dense_map
 from src.deq.config import DEQConfig
 from src.deq.implicit import fixed_point
 
@@ -98,8 +98,20 @@ def residual():
     return ResidualDEQBlock(1, 2, kernel_size=3, config=DEQConfig(**TIGHT)), (1, 3, 3)
 
 
-@pytest.mark.parametrize("build", [lambda: dense(1), lambda: dense(2), conv, residual],
-                         ids=["dense1", "dense2", "conv", "residual"])
+def normalized_residual():
+    """The authors' normalized ResBlock map; kernels ×3 so that w = 2‖K₁‖_F‖K₂‖_F ≈ 12 at 2 channels (a clear
+    contraction for the 300-step reference), γ, β off their initial values so every parameter matters."""
+    block = NormalizedResidualDEQBlock(2, 3, config=DEQConfig(**TIGHT))
+    with torch.no_grad():
+        block.kernel1.mul_(3.0)
+        block.kernel2.mul_(3.0)
+        for p in (block.gamma1, block.beta1, block.gamma2, block.beta2):
+            p.add_(0.3 * torch.randn_like(p))
+    return block, (2, 4, 4)
+
+
+@pytest.mark.parametrize("build", [lambda: dense(1), lambda: dense(2), conv, residual, normalized_residual],
+                         ids=["dense1", "dense2", "conv", "residual", "normalized_residual"])
 def test_implicit_matches_unrolled_reference_to_every_order(build):
     torch.manual_seed(0)
     block, shape = build()

@@ -76,6 +76,8 @@ def rss_bytes() -> int:
 def _side_effect_free(module: L.LightningModule):
     """Mute logging, turn manual updates into a plain backward, keep RNG and DEQ warm starts as they were."""
     warm = [(b, b.warm_start_state()) for _, b in blocks_of(module)]
+    # DEQ blocks' buffers too: a training forward steps deq.norm=spectral's power-iteration vectors
+    buffers = [(t, t.detach().clone()) for _, b in blocks_of(module) for t in b.buffers()]
     saved = {name: module.__dict__.get(name) for name in ("log", "log_dict", "manual_update")}
     module.log = lambda *a, **k: None
     module.log_dict = lambda *a, **k: None
@@ -91,6 +93,9 @@ def _side_effect_free(module: L.LightningModule):
                 module.__dict__[name] = value
         for block, state in warm:
             block.load_warm_start_state(state)
+        with torch.no_grad():
+            for tensor, value in buffers:
+                tensor.copy_(value)
         for p in module.parameters():
             p.grad = None
 

@@ -158,6 +158,7 @@ class ProfilingCallback(L.Callback):
         if self._deq_calls:
             rec["deq_iterations"] = mean(c["iterations"] for c in self._deq_calls)
             rec["deq_residual"] = max(float(c["residual"]) for c in self._deq_calls)
+            rec["deq_hit_cap"] = float(sum(bool(c.get("hit_cap", False)) for c in self._deq_calls))
         self.records.append(rec)
         pl_module.log_dict({f"profile/{k}": v for k, v in rec.items()}, on_step=True, on_epoch=False)
 
@@ -168,9 +169,13 @@ class ProfilingCallback(L.Callback):
         timed = self.records[self.warmup_steps :] or self.records
         out = {"profile/time_per_step_s": mean(r["step_time_s"] for r in timed), "profile/steps": len(self.records),
                "profile/train_time_s": self.train_time_s}
-        for key in ("saved_bytes", "peak_cuda_bytes", "peak_rss_bytes", "deq_iterations", "deq_residual"):
+        for key in ("saved_bytes", "peak_cuda_bytes", "peak_rss_bytes", "deq_iterations", "deq_residual",
+                    "deq_hit_cap"):
             vals = [r[key] for r in self.records if key in r]
             if vals:
                 out[f"profile/{key}_mean"] = mean(vals)
                 out[f"profile/{key}_max"] = max(vals)
+        hits = [r["deq_hit_cap"] for r in self.records if "deq_hit_cap" in r]
+        if hits:  # forward solves of the training steps that ran to deq.max_iter without meeting deq.tol
+            out["profile/deq_hit_cap_count"] = float(sum(hits))
         return out

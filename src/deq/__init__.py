@@ -5,7 +5,14 @@ Prop. 2) and warm start (§3.4) → :mod:`src.deq.block`; Prop. 1 / eqs. 8–9 (
 order) → :mod:`src.deq.implicit`; fixed-point solvers (App. B, F) → :mod:`src.deq.solvers`.
 """
 
-from src.deq.block import ConditionalResidualDEQBlock, ConvDEQBlock, DenseDEQBlock, DEQBlock, ResidualDEQBlock
+from src.deq.block import (
+    ConditionalResidualDEQBlock,
+    ConvDEQBlock,
+    DenseDEQBlock,
+    DEQBlock,
+    NormalizedResidualDEQBlock,
+    ResidualDEQBlock,
+)
 from src.deq.config import DEQConfig
 from src.deq.normalization import frobenius_normalize
 from src.deq.solvers import SolverResult, solve
@@ -16,6 +23,7 @@ __all__ = [
            "DEQBlock",
            "DEQConfig",
            "DenseDEQBlock",
+           "NormalizedResidualDEQBlock",
            "ResidualDEQBlock",
            "SolverResult",
            "frobenius_normalize",

@@ -22,7 +22,14 @@ from torch.profiler import record_function
 
 from src.deq.config import DEQConfig
 from src.deq.implicit import PHASE_SOLVE, fixed_point
-from src.deq.maps import ConditionalResidualMap, ConvMap, DenseMap, ResidualMap, dense_map
+from src.deq.maps import (
+    ConditionalResidualMap,
+    ConvMap,
+    DenseMap,
+    NormalizedResidualMap,
+    ResidualMap,
+    dense_map,
+)
 from src.deq.normalization import (
     conv_lipschitz_factor,
     conv_spectral_normalize,
@@ -31,8 +38,8 @@ from src.deq.normalization import (
 )
 from src.deq.solvers import SolverResult, solve
 
-__all__ = ["ConditionalResidualDEQBlock", "ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "ResidualDEQBlock",
-           "dense_map"]
+__all__ = ["ConditionalResidualDEQBlock", "ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "NormalizedResidualDEQBlock",
+           "ResidualDEQBlock", "dense_map"]
 
 PHASE_PHANTOM = "deq.phantom_steps"  # profiler label of the K phantom steps (forward; their graph is backpropagated
 # by whoever differentiates the output: the objective's trace / projection pass or the loss's backward)
@@ -71,8 +78,9 @@ class DEQBlock(nn.Module):
     - ``state_shape(x)``: the shape of z.
 
     After each forward, ``last_stats = {"iterations", "residual" (max over samples, absolute ‖f(z) − z‖),
-    "converged"}``; in implicit mode ``last_backward_stats`` sums up the adjoint solves run since the last
-    forward (``{"solves", "iterations" (max), "residual" (max), "converged"}``).
+    "converged", "hit_cap" (ran to ``deq.max_iter`` unconverged)}``; in implicit mode ``last_backward_stats``
+    sums up the adjoint solves run since the last forward (``{"solves", "iterations" (max), "residual" (max),
+    "converged", "hit_cap"}``). With ``deq.one_pass`` the block is its one-pass control: z = φ(0; p), no solve.
     """
 
     phi = None
@@ -149,7 +157,9 @@ class DEQBlock(nn.Module):
         """Statistics and (throttled) non-convergence warnings of every solve; level ≥ 1 = adjoint solves."""
         stats = {"iterations": int(result.iterations),
                  "residual": float(result.residual.max()) if result.residual.numel() else 0.0,
-                 "converged": bool(result.converged)}
+                 "converged": bool(result.converged),
+                 # ran to deq.max_iter without meeting the stop rule (counted by the profiling callback)
+                 "hit_cap": bool(not result.converged and int(result.iterations) >= int(self.config.max_iter))}
         if level == 0:
             self.last_stats = stats
             self.last_backward_stats = {}
@@ -160,6 +170,7 @@ class DEQBlock(nn.Module):
                 "iterations": max(b.get("iterations", 0), stats["iterations"]),
                 "residual": max(b.get("residual", 0.0), stats["residual"]),
                 "converged": b.get("converged", True) and stats["converged"],
+                "hit_cap": b.get("hit_cap", False) or stats["hit_cap"],
             }
         if stats["converged"]:
             return
@@ -210,8 +221,13 @@ class DEQBlock(nn.Module):
 
     def _forward(self, x: torch.Tensor, *cond) -> torch.Tensor:
         params = self.map_params(x, *cond)
-        z0 = self._initial(x, params[0])
         phi, cfg = self.phi, self.config
+        if cfg.one_pass:  # the one-pass control: φ(0; p), plain autograd, exactly an explicit network
+            z = phi(torch.zeros(self.state_shape(x), device=params[0].device, dtype=params[0].dtype), *params)
+            self.last_stats = {"iterations": 1, "residual": 0.0, "converged": True, "hit_cap": False}
+            self.last_backward_stats = {}
+            return z
+        z0 = self._initial(x, params[0])
         if cfg.backward == "implicit":
             z = fixed_point(phi, z0, params, self._solver_kwargs(), self._report)
         else:  # phantom gradient, Alg. 1
@@ -405,3 +421,35 @@ class ConditionalResidualDEQBlock(ResidualDEQBlock):
         scale = 2.0 * torch.sigmoid(self.scale_logit(labels))
         return (self.injection(x), self._normalized("kernel1"), shift.to(x.dtype), scale.to(x.dtype),
                 self._normalized("kernel2"))
+
+
+class NormalizedResidualDEQBlock(DEQBlock):
+    """The DEQ paper authors' DEQ-NCSN block with identity injection (:class:`src.deq.maps.NormalizedResidualMap`):
+
+        f(z; x) = (z + r(z)) / w + x,  r = conv ∘ ELU ∘ IN ∘ conv ∘ ELU ∘ IN,  w = 2‖K₁‖_F‖K₂‖_F
+
+    ``deq.block=normalized_residual`` (NCSN). The state has the input's shape (``channels`` in and out); the
+    kernels are not normalized by ``deq.norm`` — w is the authors' normalization — and ``deq.norm_lambda`` is not
+    used. Conditioning enters through x (the features before it); ``block(x, labels)`` ignores the labels.
+    Kernels start as ``nn.Conv2d``'s default (so w ≈ 2·C/3 for C channels, 3×3)."""
+
+    def __init__(self, channels: int, kernel_size: int = 3, config: DEQConfig | None = None, name: str = "deq"):
+        super().__init__(config, name)
+        k = _odd(kernel_size)
+        self.channels, self.kernel_size = int(channels), k
+        bound = 1.0 / math.sqrt(channels * k * k)  # nn.Conv2d's default init: U(−1/√fan_in, 1/√fan_in)
+        self.kernel1 = nn.Parameter(torch.empty(channels, channels, k, k).uniform_(-bound, bound))
+        self.kernel2 = nn.Parameter(torch.empty(channels, channels, k, k).uniform_(-bound, bound))
+        self.gamma1 = nn.Parameter(torch.ones(channels))
+        self.beta1 = nn.Parameter(torch.zeros(channels))
+        self.gamma2 = nn.Parameter(torch.ones(channels))
+        self.beta2 = nn.Parameter(torch.zeros(channels))
+        self.phi = NormalizedResidualMap(k // 2)
+
+    def state_shape(self, x):
+        return tuple(x.shape)
+
+    def map_params(self, x, labels=None):
+        w = 2.0 * torch.linalg.vector_norm(self.kernel1) * torch.linalg.vector_norm(self.kernel2)
+        return (x, self.gamma1, self.beta1, self.kernel1, self.gamma2, self.beta2, self.kernel2,
+                (1.0 / w).to(x.dtype))

@@ -9,13 +9,17 @@ BACKWARDS = ("phantom", "implicit")
 STOP_MODES = ("abs", "rel")
 NORMS = ("frobenius", "spectral", "none")  # none: the weights as they are (hand-built maps)
 INJECTIONS = (None, "linear", "softplus")
+BLOCKS = (None, "normalized_residual")  # None: the family's block
 
 
 @dataclass
 class DEQConfig:
     solver: str = "picard"
-    tol: float = 1e-5
-    stop_mode: str = "abs"
+    # Stop rule: per sample ‖f(z) − z‖ ≤ tol·‖f(z)‖ (rel). A float32 CIFAR-sized state [B, 128, 32, 32] reaches
+    # a relative residual of ~5e-8 and ‖z‖ ~ 300, so the former absolute 1e-5 was at its rounding floor and ran
+    # to max_iter; rel 1e-4 is three decades above that floor (benchmarks/results/deq_recurrence.md).
+    tol: float = 1e-4
+    stop_mode: str = "rel"
     max_iter: int = 128
     phantom_steps: int = 2
     warm_start: bool = True
@@ -27,6 +31,14 @@ class DEQConfig:
     # The model's input injection g (src/models/deq_net.py builds it; the block only receives the module):
     # linear | softplus, None = the model family's default. Kept here so the whole `deq` group maps onto this.
     injection: str | None = None
+    # The one-pass control: z* replaced by φ(0; p), one explicit pass of the same map from z = 0 with plain
+    # autograd through it (no solve, no warm start, no phantom steps): the same network with the recurrence
+    # removed, trained as an explicit net (src.deq.diagnostics.recurrence_share measures what it removes).
+    one_pass: bool = False
+    # The DEQ block of an image family: None = the family's (NCSN: the Lipschitz-bounded DEQ-ResBlock of App. D.4,
+    # normalized by deq.norm); normalized_residual = the paper authors' code's block, (z + ResBlock(z))/w + x
+    # with norms inside and w = 2‖K₁‖_F‖K₂‖_F (src.deq.block.NormalizedResidualDEQBlock).
+    block: str | None = None
 
     def __post_init__(self):
         if self.solver not in SOLVERS:
@@ -40,6 +52,9 @@ class DEQConfig:
         if self.injection not in INJECTIONS:
             raise ValueError(f"deq.injection={self.injection!r} is unknown; valid: linear, softplus "
                              "(or null for the model family's default)")
+        if self.block not in BLOCKS:
+            raise ValueError(f"deq.block={self.block!r} is unknown; valid: normalized_residual (or null for the "
+                             "model family's block)")
         if float(self.norm_lambda) <= 1.0:
             raise ValueError(
                 f"deq.norm_lambda={self.norm_lambda} is invalid: it must be > 1 so that the DEQ map is a "

@@ -65,6 +65,8 @@ class ResidualMap:
     (z = ½(z + r(z)) + g ⇔ z = r(z) + 2g) while it caps the contraction rate at ≥ ½.
     """
 
+    additive_injection = True  # φ(z) = h(z) + g: src.deq.diagnostics reports ‖h(z*)‖ / ‖g‖
+
     def __init__(self, padding: int):
         self.padding = padding
 
@@ -78,9 +80,42 @@ class ConditionalResidualMap:
     ``[B, C]`` (NCSN's noise-level conditioning, computed outside the solver; App. D.4). Lipschitz in z
     ≤ max|s| · ‖K₁‖ · ‖K₂‖, so a bounded scale keeps the contraction."""
 
+    additive_injection = True  # φ(z) = h(z) + g: src.deq.diagnostics reports ‖h(z*)‖ / ‖g‖
+
     def __init__(self, padding: int):
         self.padding = padding
 
     def __call__(self, z, inj, k1, shift, scale, k2):
         h = F.softplus(F.conv2d(z, k1, padding=self.padding) + shift[:, :, None, None])
         return F.conv2d(h * scale[:, :, None, None], k2, padding=self.padding) + inj
+
+
+def instance_norm(z, gamma, beta, eps: float = 1e-5):
+    """Per-sample, per-channel normalization over the spatial dimensions, then ``γ·ẑ + β`` (``[C]`` each): the
+    norm of the authors' DEQ-NCSN ResBlock, written with plain ops so it is differentiable to every order."""
+    mean = z.mean(dim=(2, 3), keepdim=True)
+    var = (z - mean).pow(2).mean(dim=(2, 3), keepdim=True)
+    return (z - mean) / (var + eps).sqrt() * gamma[None, :, None, None] + beta[None, :, None, None]
+
+
+class NormalizedResidualMap:
+    """The DEQ paper authors' DEQ-NCSN map (their ``ncsn/models/ncsnv2.py``): a whole normalized ResBlock with
+    its identity shortcut, divided by w, plus the block's input x as the injection (identity injection):
+
+        φ(z; x) = (z + r(z)) / w + x,  r(z) = conv(ELU(IN(conv(ELU(IN(z)), K₁))), K₂),  w = 2‖K₁‖_F‖K₂‖_F
+
+    (IN: :func:`instance_norm` with affine γ, β; ``inv_w`` = 1/w is a map parameter, computed with autograd by the
+    block). The norms make r invariant to the scale of z, so the division by w shrinks the ResBlock's output
+    without making the map nearly constant in z (where K/(λ√9‖K‖_F) does). Nothing bounds its Lipschitz constant
+    (an instance norm's is 1/std); convergence is measured (``last_stats``, ``hit_cap``), not guaranteed.
+    """
+
+    additive_injection = True  # φ(z) = h(z) + x: src.deq.diagnostics reports ‖h(z*)‖ / ‖x‖
+
+    def __init__(self, padding: int):
+        self.padding = padding
+
+    def __call__(self, z, inj, g1, b1, k1, g2, b2, k2, inv_w):
+        h = F.conv2d(F.elu(instance_norm(z, g1, b1)), k1, padding=self.padding)
+        h = F.conv2d(F.elu(instance_norm(h, g2, b2)), k2, padding=self.padding)
+        return (z + h) * inv_w + inj

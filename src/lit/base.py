@@ -170,6 +170,7 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
 
     def on_test_epoch_end(self):
         self.test_results = self._metrics_end("test")
+        self.test_results.update(self.deq_recurrence_metrics("test"))
 
     # ------------------------------------------------------------------ samples
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor | None:

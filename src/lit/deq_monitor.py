@@ -64,9 +64,44 @@ class DEQMonitorMixin:
         return {name: block.contraction_rate(*self._deq_inputs[name])
                 for name, block in blocks_of(self) if name in self._deq_inputs}
 
+    def deq_diagnostic_inputs(self) -> dict[str, tuple]:
+        """{block name: the inputs (x, *cond) its recurrence share is measured at}: the last training input."""
+        return {name: self._deq_inputs[name] for name, _ in blocks_of(self) if name in self._deq_inputs}
+
+    def deq_recurrence_metrics(self, stage: str = "val") -> dict[str, float]:
+        """``{stage}/deq_recurrence_share[/<block>]`` (‖z* − φ(0)‖/‖z*‖, mean over samples), ``…_max``,
+        ``{stage}/deq_branch_ratio`` (residual maps: ‖h(z*)‖/‖g‖), ``{stage}/deq_iterations`` and
+        ``{stage}/deq_hit_cap`` of each DEQ block (:func:`src.deq.diagnostics.recurrence_share`) at
+        :meth:`deq_diagnostic_inputs`; one warning per near-inert block."""
+        from src.deq.diagnostics import NEAR_INERT_SHARE, near_inert, recurrence_share
+
+        blocks = dict(blocks_of(self))
+        out: dict[str, float] = {}
+        for name, inputs in self.deq_diagnostic_inputs().items():
+            stats = recurrence_share(blocks[name], *inputs, rate=False)
+            suffix = f"/{name}" if len(blocks) > 1 else ""
+            for key, logged in (("share_mean", "recurrence_share"), ("share_max", "recurrence_share_max"),
+                                ("branch_mean", "branch_ratio"), ("iterations", "iterations"),
+                                ("hit_cap", "hit_cap")):
+                if key in stats:
+                    out[f"{stage}/deq_{logged}{suffix}"] = stats[key]
+            if near_inert(stats):
+                warnings.warn(f"{type(self).__name__}: DEQ block '{name}' is near-inert: its fixed point is within "
+                              f"{stats['share_mean']:.1%} of one explicit pass φ(0) (< {NEAR_INERT_SHARE:.0%}), so "
+                              "it is in effect an explicit network (a tighter deq.norm / deq.norm_lambda helps).",
+                              RuntimeWarning, stacklevel=2)
+        return out
+
+    def log_deq_recurrence(self) -> None:
+        """Log :meth:`deq_recurrence_metrics` at validation (largest over ranks)."""
+        for key, value in self.deq_recurrence_metrics("val").items():
+            self.log(key, value, sync_dist=True, reduce_fx="max")
+
     def log_deq_contraction(self) -> None:
         """Log ``val/deq_contraction_rate`` (largest over blocks; per block too when there are several) and warn
-        when it makes the phantom backward truncate the loss (:meth:`check_phantom_truncation`)."""
+        when it makes the phantom backward truncate the loss (:meth:`check_phantom_truncation`); then the
+        recurrence share of every block (:meth:`log_deq_recurrence`)."""
+        self.log_deq_recurrence()
         rates = self.deq_contraction_rates()
         if not rates:
             return

@@ -109,18 +109,29 @@ class NCSNLitModule(ScoreMatchingModule):
         rate, _ = self.deq_contraction(self.split_tensor("val", VAL_CONTRACTION_POINTS))
         return {blocks[0][0]: rate}
 
-    # ------------------------------------------------------------------ test extras
-    def deq_contraction(self, x: torch.Tensor) -> tuple[float, int]:
-        """Contraction rate of the learned DEQ map at its fixed point and forward solver iterations, on
-        images ``x`` perturbed at every noise level (image j at level j mod L, seeded noise)."""
-        block = self.net.deq_block()
+    def deq_diagnostic_inputs(self) -> dict[str, tuple]:
+        """The block's inputs (y, labels) at the seeded validation images of ``deq_contraction_rates``."""
+        blocks = blocks_of(self)
+        if not blocks:
+            return {}
+        return {blocks[0][0]: self._deq_block_inputs(self.split_tensor("val", VAL_CONTRACTION_POINTS))}
+
+    def _deq_block_inputs(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         L = self.net.sigmas.numel()
         labels = torch.arange(x.shape[0], device=x.device) % L
         g = torch.Generator(device="cpu").manual_seed(self.val_seed)
         eps = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
         xt = x + self.net.sigmas.to(x.dtype)[labels].reshape(-1, *([1] * (x.dim() - 1))) * eps
         with torch.no_grad():
-            y = self.net.deq_input(xt, labels)
+            return self.net.deq_input(xt, labels), labels
+
+    # ------------------------------------------------------------------ test extras
+    def deq_contraction(self, x: torch.Tensor) -> tuple[float, int]:
+        """Contraction rate of the learned DEQ map at its fixed point and forward solver iterations, on
+        images ``x`` perturbed at every noise level (image j at level j mod L, seeded noise)."""
+        block = self.net.deq_block()
+        y, labels = self._deq_block_inputs(x)
+        with torch.no_grad():
             block(y, labels)
             iterations = int(block.last_stats["iterations"])
         return block.contraction_rate(y, labels), iterations

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from src.config.deq import block_config, deq_setting, resolve_depth
-from src.deq.block import ConditionalResidualDEQBlock, ResidualDEQBlock
+from src.deq.block import ConditionalResidualDEQBlock, NormalizedResidualDEQBlock, ResidualDEQBlock
 from src.models.ncsn_norm import norm_act
 
 ARCHS = ("refinenet", "deq")
@@ -251,7 +251,9 @@ class DEQResBlock(nn.Module):
     def __init__(self, channels: int, num_classes: int | None, deq: Any = None, name: str = "ncsn.deq"):
         super().__init__()
         config = block_config(deq)
-        if num_classes is None:
+        if config.block == "normalized_residual":  # the paper authors' code's block (identity injection)
+            self.block = NormalizedResidualDEQBlock(channels, 3, config=config, name=name)
+        elif num_classes is None:
             self.block = LabelFreeResidualDEQBlock(channels, channels, 3, config=config, name=name)
         else:
             self.block = ConditionalResidualDEQBlock(channels, channels, num_classes, 3, config=config, name=name)
