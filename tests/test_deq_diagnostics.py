@@ -157,3 +157,31 @@ def test_one_pass_differs_from_the_deq():
     share = recurrence_share(deq, x)["share_mean"]
     rel = ((z_star - z_one).norm(dim=1) / z_star.norm(dim=1)).mean().item()
     assert rel == pytest.approx(share, rel=1e-6) and share > 1e-3
+
+
+def test_module_logs_every_block_and_warns_once_per_near_inert_block(recwarn):
+    """The LightningModule's recurrence metrics (src/lit/deq_monitor.py): a key per block at the inputs the
+    blocks last saw in training, equal to :func:`recurrence_share` there; the near-inert warning comes once per
+    block and run, however often validation asks."""
+    from hydra.utils import instantiate
+
+    from src.deq.lookup import blocks_of
+    from tests.conftest import FAST, compose_train
+
+    cfg = compose_train([*FAST, "model=dkef", "loss=sm", "deq=true"])
+    module = instantiate(cfg.model, input_dim=int(cfg.data.dim))
+    blocks = blocks_of(module)
+    assert len(blocks) > 1
+    torch.manual_seed(0)
+    module._deq_inputs = {name: (torch.randn(8, int(cfg.data.dim)),) for name, _ in blocks}
+    first = module.deq_recurrence_metrics("val")
+    second = module.deq_recurrence_metrics("test")
+    for name, block in blocks:
+        expected = recurrence_share(block, *module._deq_inputs[name], rate=False)["share_mean"]
+        assert first[f"val/deq_recurrence_share/{name}"] == pytest.approx(expected, rel=1e-6)
+        assert second[f"test/deq_recurrence_share/{name}"] == pytest.approx(expected, rel=1e-6)
+        assert f"val/deq_iterations/{name}" in first and f"val/deq_hit_cap/{name}" in first
+    inert = [n for n, _ in blocks if first[f"val/deq_recurrence_share/{n}"] < NEAR_INERT_SHARE]
+    assert inert  # the paper's Frobenius block at initialisation is near-inert (the issue's finding)
+    messages = [str(w.message) for w in recwarn if "near-inert" in str(w.message)]
+    assert len(messages) == len(inert)  # the second call warned about none of them again

@@ -72,7 +72,8 @@ class DEQMonitorMixin:
         """``{stage}/deq_recurrence_share[/<block>]`` (‖z* − φ(0)‖/‖z*‖, mean over samples), ``…_max``,
         ``{stage}/deq_branch_ratio`` (residual maps: ‖h(z*)‖/‖g‖), ``{stage}/deq_iterations`` and
         ``{stage}/deq_hit_cap`` of each DEQ block (:func:`src.deq.diagnostics.recurrence_share`) at
-        :meth:`deq_diagnostic_inputs`; one warning per near-inert block."""
+        :meth:`deq_diagnostic_inputs`; a near-inert block is warned about once per run (the value is logged at
+        every validation)."""
         from src.deq.diagnostics import NEAR_INERT_SHARE, near_inert, recurrence_share
 
         blocks = dict(blocks_of(self))
@@ -85,7 +86,9 @@ class DEQMonitorMixin:
                                 ("hit_cap", "hit_cap")):
                 if key in stats:
                     out[f"{stage}/deq_{logged}{suffix}"] = stats[key]
-            if near_inert(stats):
+            warned = self.__dict__.setdefault("_near_inert_warned", set())
+            if near_inert(stats) and name not in warned:  # once per block and run: not at every validation
+                warned.add(name)
                 warnings.warn(f"{type(self).__name__}: DEQ block '{name}' is near-inert: its fixed point is within "
                               f"{stats['share_mean']:.1%} of one explicit pass φ(0) (< {NEAR_INERT_SHARE:.0%}), so "
                               "it is in effect an explicit network (a tighter deq.norm / deq.norm_lambda helps).",
