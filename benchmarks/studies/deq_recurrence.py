@@ -41,6 +41,7 @@ from src.reports.tables import load_results, write_results
 
 MODULE = "benchmarks.studies.deq_recurrence"
 STEM = "deq_recurrence"
+SECTIONS = ("stoprule", "candidates", "decision_short", "decision_full")  # the result's sections
 
 VAL_EVERY = {"vae": 2}  # Lightning steps per training batch (the VAE's two optimizers step in turn)
 FAMILIES = {  # base overrides and short-run length of each family (the issue's probe protocols)
@@ -256,12 +257,26 @@ def render(res: dict) -> str:
           ("share = ‖z* − φ(0; p)‖/‖z*‖ per sample, mean over samples (and over blocks for DKEF / NICE), at the "
            f"last step's validation; near-inert below 10 %. Machine: {meta['machine']}; one torch thread per job; "
            f"written {meta['written']}."), ""]
-    for grid in ("candidates", "decision_short", "decision_full"):
+    for grid in SECTIONS[1:]:
         if grid in res:
             md.append(markdown(res[grid], grid))
     if "stoprule" in res:
         md.append(stop_rule_markdown(res["stoprule"]))
     return "\n".join(md)
+
+
+def legacy_layout(res: dict) -> dict:
+    """A result written before this study ran as ``python -m`` (sections as bare row lists, the machine facts as
+    a dict under ``machine``) in today's layout: each section ``{"command", "rows"}``, ``meta`` rewritten."""
+    if "meta" in res or not res:
+        return res
+    res = dict(res)
+    res.pop("machine", None)
+    for grid, rows in list(res.items()):
+        if isinstance(rows, list):
+            args = "stoprule" if grid == "stoprule" else "report --work <dir>"
+            res[grid] = {"command": f"python benchmarks/studies/deq_recurrence.py {args}", "rows": rows}
+    return res
 
 
 def main(argv=None) -> None:
@@ -303,10 +318,10 @@ def main(argv=None) -> None:
         rows = [r for r in (collect(j, work / name) for j in todo) if r["status"] == "done" or args.grid != "report"]
         if rows:
             results[name] = {"command": cmd, "rows": rows}
-    res = load_results(args.out, STEM)
+    res = legacy_layout(load_results(args.out, STEM))
     res.update(results)
     res["meta"] = {"machine": machine_facts(), "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                   "commands": list(dict.fromkeys([*res.get("meta", {}).get("commands", []), cmd])),
+                   "commands": list(dict.fromkeys(res[g]["command"] for g in SECTIONS if g in res)),
                    "note": CHOICE}
     write_results(args.out, STEM, res, render)
     print(render(res))
