@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks.lib import jobs, results, step
+from benchmarks.lib.generative_grids import GRIDS as GENERATIVE
 from benchmarks.tools import dkef_paper_protocol as pp
 from benchmarks.tools import run_grid, training_curves
+from tests.conftest import compose_train
 
 
 class Args:
@@ -36,6 +38,11 @@ def test_dkef_grid_has_the_papers_rows_with_their_overrides():
     gauss = {j["method"]: j["overrides"] for j in jobs if j["group"] == "gaussian200"}
     assert list(gauss) == ["SM 3-layer", "SM 8-layer", "SM 16-layer", "DEQ-SM"]
     assert {"experiment=dkef_gaussian", "data.dim=200"} <= set(gauss["DEQ-SM"])
+    # every DEQ row pins the paper's block and the stop rule its committed numbers were made with; the explicit
+    # rows set no DEQ key
+    pins = {"deq.norm=frobenius", "deq.norm_lambda=2", "deq.stop_mode=abs", "deq.tol=1e-5"}
+    for overrides in [*red.values(), *gauss.values()]:
+        assert (pins <= set(overrides)) == ("deq=true" in overrides), overrides
     Args.variants = True
     red = {j["method"]: j["overrides"] for j in run_grid.dkef_grid(Args()) if j["group"] == "redwine"}
     assert {"model.deq_width=30", "deq.phantom_steps=1"} <= set(red["DEQ-SM (width 30 K=1)"])
@@ -94,6 +101,12 @@ def test_nice_grid_names_the_injection_and_has_the_baselines():
     assert {"deq=true", "deq.injection=linear", "trainer.gradient_clip_val=null"} <= set(jobs["DEQ-SSM"])
     assert "trainer.gradient_clip_val=100" in jobs["SSM (clip 100)"]
     assert {"loss=dsm", "loss.sigma=1.74"} <= set(jobs["DSM σ=1.74"])
+    # the DEQ rows pin the block and stop rule they were committed with (nice_mnist's default is spectral λ = 1.2)
+    stop = {"deq.norm_lambda=2", "deq.stop_mode=abs", "deq.tol=1e-5"}
+    for method, overrides in jobs.items():
+        norm = "deq.norm=spectral" if "spectral" in method else "deq.norm=frobenius"
+        assert (stop | {norm} <= set(overrides)) == ("deq=true" in overrides), method
+    assert "deq.norm=frobenius" not in jobs["DEQ-SSM (spectral norm)"]
     NiceArgs.squash = "clamp"
     clamp = {j["method"]: j["overrides"] for j in run_grid.nice_grid(NiceArgs())}
     NiceArgs.squash = "affine"
@@ -284,3 +297,17 @@ def test_paper_protocol_add_keeps_saved_jobs_and_replaces_reruns():
     assert again["commands"] == ["first", "second", "third"]
     md = pp.render({"meta": again, "jobs": jobs})
     assert md.startswith("Commands, in the order they built this result") and "- `third`" in md
+
+
+@pytest.mark.parametrize("overrides", [
+    next(j["overrides"] for j in run_grid.dkef_grid(Args()) if j["method"] == "DEQ-SM"),
+    next(j["overrides"] for j in run_grid.nice_grid(NiceArgs()) if j["method"] == "DEQ-SSM"),
+    ["experiment=vae_mnist", *GENERATIVE["vae"]["variants"]["DEQ-SSM VAE"]],
+    ["experiment=ncsn_mnist", *GENERATIVE["ncsn"]["variants"]["DEQ-SSM-VR NCSN"]],
+], ids=["dkef", "nice", "vae", "ncsn"])
+def test_paper_table_grids_compose_the_papers_block_and_stop_rule(overrides):
+    """The experiments' defaults moved to blocks of record and a relative stop rule; the grids that reproduce the
+    paper's tables still compose the block and stop rule their committed numbers were made with."""
+    deq = compose_train(overrides).deq
+    assert (deq.enabled, deq.norm, float(deq.norm_lambda), deq.stop_mode, float(deq.tol)) == (
+        True, "frobenius", 2.0, "abs", 1e-5)

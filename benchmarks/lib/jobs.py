@@ -94,11 +94,12 @@ def train_job(overrides: Sequence[str], run_dir: Path | None, env: dict | None =
     return out
 
 
-def run_parallel(jobs: Sequence[tuple[object, Sequence[str], Path]], parallel: int, heartbeat_s: float = 60.0
-                 ) -> dict[object, dict]:
-    """Run ``(key, command, log file)`` jobs ``parallel`` at a time in the repository, each with its output in
-    its log file. Prints a line as each starts and ends and, every ``heartbeat_s``, which are still running.
-    Returns ``{key: {"code", "wall_s", "log"}}``."""
+def run_parallel(jobs: Sequence[tuple[object, Sequence[str], Path]], parallel: int, heartbeat_s: float = 60.0,
+                 env: dict | None = None) -> dict[object, dict]:
+    """Run ``(key, command, log file)`` jobs ``parallel`` at a time in the repository (environment ``env``, this
+    process's when None; e.g. :func:`thread_env`), each with its output in its log file. Prints a line as each
+    starts and ends and, every ``heartbeat_s``, which are still running. Returns ``{key: {"code", "wall_s",
+    "log"}}``."""
     pending, running, done = list(jobs), {}, {}
     t_start = last_beat = time.time()
     while pending or running:
@@ -106,7 +107,7 @@ def run_parallel(jobs: Sequence[tuple[object, Sequence[str], Path]], parallel: i
             key, cmd, log = pending.pop(0)
             Path(log).parent.mkdir(parents=True, exist_ok=True)
             fh = Path(log).open("w")  # noqa: SIM115 (closed when its job ends, below)
-            proc = subprocess.Popen(list(cmd), cwd=ROOT, stdout=fh, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=fh, stderr=subprocess.STDOUT)
             running[key] = (proc, fh, time.time(), log)
             print(f"[{len(done) + len(running)}/{len(jobs)}] started {key}", flush=True)
         for key, (proc, fh, t0, log) in list(running.items()):

@@ -34,13 +34,15 @@ def machine_facts() -> str:
             f"torch {torch.__version__}; cpu, {torch.get_num_threads()} thread(s)")
 
 
-def script_command(module: str, argv: Sequence[str] | None = None, data_root: str | None = None) -> str:
+def script_command(module: str, argv: Sequence[str] | None = None, data_root: str | None = None,
+                   placeholders: dict[str, str] | None = None) -> str:
     """``python -m <module> <argv>`` (this process's arguments by default), each argument quoted as a shell
     needs it: the command a result records. ``module`` is the tool's or study's dotted name
-    (``benchmarks.tools.run_grid``); an argument equal to ``data_root`` is shown as ``<data dir>`` (a path of
-    this machine)."""
+    (``benchmarks.tools.run_grid``); an argument equal to ``data_root`` is shown as ``<data dir>``, one equal to
+    a key of ``placeholders`` as its value (paths of this machine: ``{work: "<work dir>"}``)."""
     argv = sys.argv[1:] if argv is None else argv
-    shown_args = ["<data dir>" if data_root is not None and a == data_root else shlex.quote(a) for a in argv]
+    shown_as = dict(placeholders or {}, **({data_root: "<data dir>"} if data_root is not None else {}))
+    shown_args = [shown_as[a] if a in shown_as else shlex.quote(a) for a in argv]
     return " ".join(["python", "-m", module, *shown_args])
 
 

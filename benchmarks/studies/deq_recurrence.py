@@ -2,7 +2,9 @@
 
 The recurrence share of a DEQ block is ‖z* − φ(0; p)‖ / ‖z*‖: what its fixed point adds to one explicit pass of
 the same map (src/deq/diagnostics.py). Two grids, each job one ``python -m src.train`` process with one torch
-thread, in its own run directory under ``--work``; a job whose ``metrics.json`` exists is reused (resumable):
+thread, in its own run directory ``<work>/<grid>/<family>/<arm>_seed<S>/`` (its output in ``train.log`` there),
+``--parallel`` at once (``benchmarks.lib.jobs.run_parallel``); a job whose ``metrics.json`` exists is reused
+(resumable), and one whose ``pid`` file names a live process (another driver's) is left alone:
 
 - ``candidates``: short trainings of each family with candidate DEQ blocks (the paper's Frobenius λ = 2, spectral
   normalisation, smaller λ); the recurrence share, branch ratio, contraction rate and iterations at the last
@@ -10,13 +12,17 @@ thread, in its own run directory under ``--work``; a job whose ``metrics.json`` 
 - ``decision``: DKEF RedWine (SM) and NICE (SSM), 3 seeds of four arms: the DEQ of record, the paper's Frobenius
   DEQ, the one-pass control of the DEQ of record (``deq.one_pass=true``: z* replaced by φ(0; p), trained as an
   explicit network) and the explicit baseline; test losses with the share and iterations beside each row.
+- ``stoprule``: where Picard on a CIFAR-sized float32 state bottoms out, and the iterations each stop rule needs.
 
-    python benchmarks/studies/deq_recurrence.py candidates --root <data dir> --work <dir> --parallel 2
-    python benchmarks/studies/deq_recurrence.py decision --root <data dir> --work <dir> --parallel 2
-    python benchmarks/studies/deq_recurrence.py report --work <dir>          # tables only, from finished jobs
+    python -m benchmarks.studies.deq_recurrence candidates --root <data dir> --work <dir> --parallel 2
+    python -m benchmarks.studies.deq_recurrence decision --root <data dir> --work <dir> --parallel 2
+    python -m benchmarks.studies.deq_recurrence report --work <dir>     # tables only, from finished jobs
+    python -m benchmarks.studies.deq_recurrence stoprule
+    python -m benchmarks.studies.deq_recurrence --render                # the markdown from the JSON
 
-Writes ``benchmarks/results/deq_recurrence.{json,md}`` (``--out``): every job's command (with ``<data dir>`` for
-the data root) and its figures, plus the machine facts.
+Writes ``benchmarks/results/deq_recurrence.{json,md}`` (``--out``), merging the grids it ran into what is
+there: every job's command (with ``<data dir>`` for the data root) and its figures, the command that wrote each
+section, and the machine facts.
 """
 
 from __future__ import annotations
@@ -24,15 +30,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from benchmarks.lib.jobs import run_parallel, thread_env
+from benchmarks.lib.results import machine_facts, note_lines, rendered, result_options, script_command, shown
+from src.reports.tables import load_results, write_results
+
+MODULE = "benchmarks.studies.deq_recurrence"
+STEM = "deq_recurrence"
+SECTIONS = ("stoprule", "candidates", "decision_short", "decision_full")  # the result's sections
 
 VAL_EVERY = {"vae": 2}  # Lightning steps per training batch (the VAE's two optimizers step in turn)
 FAMILIES = {  # base overrides and short-run length of each family (the issue's probe protocols)
@@ -114,35 +123,14 @@ def jobs(grid: str, protocol: str = "short") -> list[dict]:
 def command(job: dict, root: str, run_dir: str) -> list[str]:
     """The training command of ``job``: validation at the last step (the shares are read there)."""
     val = job["steps"] // VAL_EVERY.get(job["family"], 1)
-    args = [sys.executable, "-m", "src.train", *job["overrides"].split(), f"data.root={root}",
-            f"seed={job['seed']}", f"trainer.max_steps={job['steps']}", f"trainer.val_check_interval={val}",
+    return ["python", "-m", "src.train", *job["overrides"].split(), f"data.root={root}", f"seed={job['seed']}",
+            f"trainer.max_steps={job['steps']}", f"trainer.val_check_interval={val}",
             "trainer.check_val_every_n_epoch=null", "logger=csv", f"test={str(job['test']).lower()}",
             f"hydra.run.dir={run_dir}"]
-    return args
-
-
-def shown(job: dict) -> str:
-    """The command as recorded (repository-relative, data root as a placeholder)."""
-    cmd = command(job, "<data dir>", "<run dir>")
-    return "python " + " ".join(cmd[1:])
 
 
 def run_dir(work: Path, job: dict) -> Path:
     return work / job["family"] / f"{job['arm']}_seed{job['seed']}"
-
-
-def run_job(job: dict, work: Path, root: str) -> dict:
-    rd = run_dir(work, job)
-    metrics = rd / "metrics.json"
-    if not metrics.exists() and not running(rd):
-        rd.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", WANDB_MODE="disabled")
-        with open(rd / "train.log", "w") as log:
-            proc = subprocess.Popen(command(job, root, str(rd)), cwd=ROOT, env=env, stdout=log,
-                                    stderr=subprocess.STDOUT)
-            (rd / "pid").write_text(str(proc.pid))
-            proc.wait()
-    return collect(job, work)
 
 
 def running(rd: Path) -> bool:
@@ -154,9 +142,20 @@ def running(rd: Path) -> bool:
     return True
 
 
+def run_jobs(todo: list[dict], work: Path, root: str, parallel: int) -> None:
+    """Train the jobs of ``todo`` not finished (no ``metrics.json``) nor running elsewhere, ``parallel`` at once,
+    one torch thread each."""
+    pending = [j for j in todo if not (run_dir(work, j) / "metrics.json").exists() and not running(run_dir(work, j))]
+    run_parallel([(f"{j['family']}/{j['arm']} seed {j['seed']}",
+                   [sys.executable, *command(j, root, str(run_dir(work, j)))[1:]],
+                   run_dir(work, j) / "train.log") for j in pending],
+                 max(1, parallel), env=dict(thread_env(1), WANDB_MODE="disabled"))
+
+
 def collect(job: dict, work: Path) -> dict:
+    """A job's row: its settings, its command as recorded, and its figures when its ``metrics.json`` exists."""
     metrics = run_dir(work, job) / "metrics.json"
-    row = {**job, "command": shown(job)}
+    row = {**job, "command": shown(command(job, "<data dir>", "<run dir>"))}
     if not metrics.exists():
         row["status"] = "missing"
         return row
@@ -183,7 +182,6 @@ def stop_rule(batch: int = 4, iters: int = 60) -> list[dict]:
     absolute one, and the iterations each stop rule needs (None: never met in ``iters``)."""
     import torch
 
-    sys.path.insert(0, str(ROOT))
     from src.deq import ConvDEQBlock, DEQConfig, ResidualDEQBlock
 
     torch.manual_seed(0)
@@ -208,7 +206,8 @@ def stop_rule(batch: int = 4, iters: int = 60) -> list[dict]:
     return rows
 
 
-def stop_rule_markdown(rows: list[dict]) -> str:
+def stop_rule_markdown(section: dict) -> str:
+    rows = section["rows"]
     keys = list(rows[0]["iterations_to"])
     lines = ["## stop rule (float32, state [4, 128, 32, 32], Picard from 0, blocks at initialisation)", "",
              "| block | norm | λ | ‖z*‖ | floor rel | floor abs | " + " | ".join(f"iters to {k}" for k in keys) + " |",
@@ -216,7 +215,7 @@ def stop_rule_markdown(rows: list[dict]) -> str:
     for r in rows:
         lines.append("| " + " | ".join(fmt(v) for v in (r["block"], r["norm"], r["lambda"], r["norm_z"], r["floor_rel"],
                                                          r["floor_abs"], *r["iterations_to"].values())) + " |")
-    lines += ["", "Command: `python benchmarks/studies/deq_recurrence.py stoprule`", ""]
+    lines += ["", f"Command: `{section['command']}`", ""]
     return "\n".join(lines)
 
 
@@ -228,7 +227,14 @@ def fmt(v) -> str:
     return str(v)
 
 
-def markdown(rows: list[dict], grid: str) -> str:
+def grid_command(grid: str) -> str:
+    """The command that runs a grid's jobs (``decision_full``: ``decision --protocol full``)."""
+    args = {"candidates": "candidates", "decision_short": "decision", "decision_full": "decision --protocol full"}
+    return f"python -m {MODULE} {args[grid]} --root <data dir> --work <dir> --parallel 2"
+
+
+def markdown(section: dict, grid: str) -> str:
+    rows = section["rows"]
     lines = [f"## {grid}", "", ("| family | arm | seed | share (mean over blocks) | share max | branch ratio | "
              "contraction | iterations | hit cap | val loss | test loss |"), "|" + "---|" * 11]
     for r in rows:
@@ -238,64 +244,87 @@ def markdown(rows: list[dict], grid: str) -> str:
             r["family"], r["arm"], r["seed"], r.get("val/deq_recurrence_share"), r.get("val/deq_recurrence_share_max"),
             r.get("val/deq_branch_ratio"), r.get("val/deq_contraction_rate"), r.get("val/deq_iterations"),
             r.get("val/deq_hit_cap"), val, test)) + " |")
-    lines += ["", "Commands:", ""]
+    lines += ["", f"Jobs run by `{grid_command(grid)}`; table written by `{section['command']}`. Each job:", ""]
     lines += [f"- {r['family']}/{r['arm']} seed {r['seed']}: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"
 
 
+def render(res: dict) -> str:
+    """The markdown of ``deq_recurrence.json``: the choice of the blocks of record, then each grid's table and
+    the stop-rule table (``--render`` rebuilds it byte for byte)."""
+    meta = res["meta"]
+    md = [f"# DEQ recurrence share (`python -m {MODULE}`)", "", *note_lines(meta),
+          ("share = ‖z* − φ(0; p)‖/‖z*‖ per sample, mean over samples (and over blocks for DKEF / NICE), at the "
+           f"last step's validation; near-inert below 10 %. Machine: {meta['machine']}; one torch thread per job; "
+           f"written {meta['written']}."), ""]
+    for grid in SECTIONS[1:]:
+        if grid in res:
+            md.append(markdown(res[grid], grid))
+    if "stoprule" in res:
+        md.append(stop_rule_markdown(res["stoprule"]))
+    return "\n".join(md)
+
+
+def legacy_layout(res: dict) -> dict:
+    """A result written before this study ran as ``python -m`` (sections as bare row lists, the machine facts as
+    a dict under ``machine``) in today's layout: each section ``{"command", "rows"}``, ``meta`` rewritten."""
+    if "meta" in res or not res:
+        return res
+    res = dict(res)
+    res.pop("machine", None)
+    for grid, rows in list(res.items()):
+        if isinstance(rows, list):
+            args = "stoprule" if grid == "stoprule" else "report --work <dir>"
+            res[grid] = {"command": f"python benchmarks/studies/deq_recurrence.py {args}", "rows": rows}
+    return res
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("grid", choices=("candidates", "decision", "report", "stoprule"))
+    ap.add_argument("grid", nargs="?", choices=("candidates", "decision", "report", "stoprule"))
     ap.add_argument("--root", default="data", help="data directory (data.root)")
     ap.add_argument("--work", default=None, help="directory of the run directories (outside the repository)")
     ap.add_argument("--parallel", type=int, default=2)
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated subset of the families")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     ap.add_argument("--arms", default=None, help="comma-separated family:arm subset (default: all)")
     ap.add_argument("--protocol", choices=("short", "full"), default="short",
                     help="decision grid: short = the probe lengths (DKEF 600, NICE 200 steps), full = the committed "
                          "protocols (DKEF 2700 ≈ 300 epochs, NICE 1000)")
+    result_options(ap)
     args = ap.parse_args(argv)
+    if rendered(args, STEM, render):
+        return
+    if not args.grid:
+        ap.error("name a grid (candidates, decision, report, stoprule) or give --render")
     if args.grid != "stoprule" and not args.work:
         ap.error(f"{args.grid} needs --work <dir> (the run directories, outside the repository)")
     work = Path(args.work or ".")
+    cmd = script_command(MODULE, sys.argv[1:] if argv is None else argv, data_root=args.root,
+                         placeholders={args.work: "<dir>", str(args.out): "<out dir>"})
+    import torch
+
+    torch.set_num_threads(1)  # the stop-rule measurement runs here; each job has one thread too
     fams = set(args.families.split(","))
     results = {}
     if args.grid == "stoprule":
-        results["stoprule"] = stop_rule()
+        results["stoprule"] = {"command": cmd, "rows": stop_rule()}
     for grid in () if args.grid == "stoprule" else (("candidates", "decision") if args.grid == "report"
                                                      else (args.grid,)):
         todo = [j for j in jobs(grid, args.protocol) if j["family"] in fams
                 and (not args.arms or f"{j['family']}:{j['arm']}" in args.arms.split(","))]
         name = f"decision_{args.protocol}" if grid == "decision" else grid
-        if args.grid == "report":  # finished jobs only
-            rows = [r for r in (collect(j, work / name) for j in todo) if r["status"] == "done"]
-            if not rows:
-                continue
-        else:
-            with ThreadPoolExecutor(max_workers=max(1, args.parallel)) as pool:
-                rows = list(pool.map(lambda j, g=name: run_job(j, work / g, args.root), todo))
-        results[name] = rows
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    facts = {"machine": platform.machine(), "processor": platform.processor(), "cpus": os.cpu_count(),
-             "python": platform.python_version(), "torch_threads_per_job": 1,
-             "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    path = out / "deq_recurrence.json"
-    old = json.loads(path.read_text()) if path.exists() else {}
-    old.update(results)
-    old["machine"] = facts
-    path.write_text(json.dumps(old, indent=1) + "\n")
-    md = ["# DEQ recurrence share (benchmarks/studies/deq_recurrence.py)", "", CHOICE, "",
-          "share = ‖z* − φ(0; p)‖/‖z*‖ per sample, mean over samples (and over blocks for DKEF / NICE), at the "
-          "last step's validation; near-inert below 10 %. " + json.dumps(facts), ""]
-    for grid in ("candidates", "decision_short", "decision_full"):
-        if grid in old:
-            md.append(markdown(old[grid], grid))
-    if "stoprule" in old:
-        md.append(stop_rule_markdown(old["stoprule"]))
-    (out / "deq_recurrence.md").write_text("\n".join(md))
-    print((out / "deq_recurrence.md").read_text())
+        if args.grid != "report":
+            run_jobs(todo, work / name, args.root, args.parallel)
+        rows = [r for r in (collect(j, work / name) for j in todo) if r["status"] == "done" or args.grid != "report"]
+        if rows:
+            results[name] = {"command": cmd, "rows": rows}
+    res = legacy_layout(load_results(args.out, STEM))
+    res.update(results)
+    res["meta"] = {"machine": machine_facts(), "written": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   "commands": list(dict.fromkeys(res[g]["command"] for g in SECTIONS if g in res)),
+                   "note": CHOICE}
+    write_results(args.out, STEM, res, render)
+    print(render(res))
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ CURVES = re.compile(r"(vae|ncsn)_mnist_curves")
 REBUILT_BY = {
     "ais_bias": "benchmarks.studies.ais_bias --render",
     "ais_bias_vae": "benchmarks.studies.ais_bias --render --name ais_bias_vae",
+    "deq_recurrence": "benchmarks.studies.deq_recurrence --render",
     "deq_solvers": "benchmarks.studies.deq_solvers --render",
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
@@ -64,6 +65,10 @@ SHOWS = {
     "ais_bias": "AIS log p(x) against the exact one (quadrature over a 2-d latent) on a Bernoulli decoder: the "
                 "error in nats and how often the estimate lies above the truth, per step-size rule and number of "
                 "steps T.",
+    "deq_recurrence": "Issue 41: the recurrence share ‖z* − φ(0; p)‖/‖z*‖ of each family's DEQ block per candidate "
+                      "block (the paper's Frobenius λ = 2, spectral, smaller λ; chooses the blocks of record), the "
+                      "DEQ vs paper DEQ vs one-pass control vs explicit decision grid, and where a float32 Picard "
+                      "solve of a CIFAR-sized state bottoms out (the stop rule).",
     "deq_solvers": "Forward solvers (Picard, Anderson, Broyden): iterations and time to tolerance, cold and "
                    "warm-started, on a trained DKEF block, a NICE-sized block and a slow rank-one block, at λ = 2 "
                    "and 1.1.",
