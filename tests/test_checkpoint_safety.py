@@ -22,7 +22,7 @@ from src.runs.checkpoints import (
     nonfinite_entries,
     safe_contents,
 )
-from src.train import train
+from src.runs.training import train
 from tests.conftest import FAST, SHARED_DATA, compose_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

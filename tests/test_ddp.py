@@ -5,7 +5,7 @@ DDP gives each rank its share of the global batch and all-reduces the *mean* of 
 - **always** (check A): the gradient every rank's optimiser gets equals the mean over ranks of the gradient
   each rank's own batch gives, recomputed here in one process from that batch and the rank's RNG state
   (``tests/ddp_probe.py``); for the VAE, for each of its two manual optimisers' updates. The ranks then end
-  with identical parameters (``ddp/ranks_identical``, src.train.ddp_consistency).
+  with identical parameters (``ddp/ranks_identical``, src.runs.training.ddp_consistency).
 - **where the loss is a deterministic mean over the batch** (check B: NICE with ``loss=mle``, the supervised
   studies with ``mse``; ``half_sse`` is a sum, so the supervised family scales it by the world size): that
   mean of gradients is the one-process gradient on the whole global batch (the training loaders give the
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from src.runs.build import build
-from src.train import train
+from src.runs.training import train
 from tests.conftest import FAST, compose_train
 from tests.ddp_probe import load_records, replay_gradients
 from tests.test_infra import run_train

@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.train import train
+from src.runs.training import train
 from tests.conftest import FAST, compose_train
 
 DECAY = 0.9  # far from 1, so that the average of a dozen steps differs clearly from the last weights

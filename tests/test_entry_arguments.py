@@ -3,11 +3,11 @@
 
 from __future__ import annotations
 
-import pytest
+import subprocess
+import sys
 
-import src.evaluate
-import src.sample
 from src.runs.load import split_arguments
+from tests.conftest import REPO_ROOT
 
 
 def test_own_keys_apart_from_overrides():
@@ -17,14 +17,15 @@ def test_own_keys_apart_from_overrides():
     assert overrides == ["data.root=/d"]  # a bare own key is neither
 
 
-def test_entry_points_pass_their_keys_and_overrides(monkeypatch):
-    calls = {}
-    monkeypatch.setattr(src.evaluate, "evaluate", lambda ckpt, overrides, trust: calls.update(ev=(ckpt, overrides, trust)))
-    monkeypatch.setattr(src.sample, "sample_from_checkpoint", lambda ckpt, **kw: calls.update(sample=(ckpt, kw)))
-    src.evaluate.main(["ckpt_path=x.ckpt", "eval.name=standard", "trust_checkpoint=true"])
-    assert calls["ev"] == ("x.ckpt", ["eval.name=standard"], True)
-    src.sample.main(["ckpt_path=y.ckpt", "n=4", "out=s.png", "model.sampling.n_steps_each=2"])
-    assert calls["sample"] == ("y.ckpt", {"n": 4, "seed": 0, "out": "s.png",
-                                          "overrides": ["model.sampling.n_steps_each=2"], "trust": False})
-    with pytest.raises(SystemExit, match=r"^usage: python -m src\.evaluate ckpt_path="):
-        src.evaluate.main(["n=3"])
+def test_entry_points_take_their_keys_on_the_command_line(tmp_path):
+    """The commands themselves: src.evaluate without ckpt_path prints its usage line; src.sample passes its
+    ckpt_path on (a missing file is named) and keeps n/out apart from the run-config overrides."""
+    res = subprocess.run([sys.executable, "-m", "src.evaluate", "n=3"], check=False, cwd=REPO_ROOT, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines()[-1].startswith("usage: python -m src.evaluate ckpt_path=")
+    missing = tmp_path / "missing.ckpt"
+    res = subprocess.run([sys.executable, "-m", "src.sample", f"ckpt_path={missing}", "n=4", "out=s.png",
+                          "model.sampling.n_steps_each=2"], check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0
+    assert str(missing) in res.stderr

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf, open_dict
 from src.metrics import presets
 from src.metrics.presets import apply_eval_preset, choose_preset
 from src.runs.evaluation import evaluate
-from src.train import train
+from src.runs.training import train
 from tests.conftest import FAST, REPO_ROOT, compose_train
 
 NCSN = ["model=ncsn", "data=mnist_images", "loss=ssm_vr"]

@@ -8,7 +8,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from src.runs.build import build
-from src.train import validate_config
+from src.runs.training import validate_config
 
 CONF = str(Path(__file__).resolve().parents[1] / "conf")
 

@@ -169,7 +169,7 @@ def test_corrupt_data_files(tmp_path):
 def test_full_disk_during_a_checkpoint_write(tmp_path, monkeypatch):
     from src import checkpoints
     from src.runs.checkpoints import load_checked
-    from src.train import train
+    from src.runs.training import train
 
     with case("full disk (simulated ENOSPC)",
               "the atomic writer fails with ENOSPC at the 3rd checkpoint: the run stops with that OSError, "

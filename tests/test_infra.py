@@ -125,8 +125,6 @@ def test_ddp_two_cpu_processes_end_identical(tmp_path):
 
 
 def test_report_over_two_sweeps(tmp_path):
-    from src.report import main as report_main
-
     cmd = [sys.executable, "-m", "src.train", "-m", *FAST, "trainer.max_epochs=1", "deq=false", "depth=1,2",
            "seed=0,1", f"hydra.sweep.dir={tmp_path / 'sweep_a'}"]
     res = subprocess.run(cmd, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
@@ -136,7 +134,11 @@ def test_report_over_two_sweeps(tmp_path):
     res = subprocess.run(cmd, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=400)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(list((tmp_path / "sweep_a").rglob("metrics.json"))) == 4
-    report = report_main([str(tmp_path / "sweep_a"), str(tmp_path / "sweep_b"), "--out", str(tmp_path / "rep")])
+    res = subprocess.run([sys.executable, "-m", "src.report", str(tmp_path / "sweep_a"), str(tmp_path / "sweep_b"),
+                          "--out", str(tmp_path / "rep")], check=False, cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
     assert report["n_jobs"] == 6
     # grouped by the swept keys, seeds averaged: depth=1, depth=2 (deq=false) and deq=true
     assert len(report["rows"]) == 3 and all(r["n_seeds"] == 2 for r in report["rows"])

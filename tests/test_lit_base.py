@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from src.data.datamodules import GaussianDataModule
-from src.train import train
+from src.runs.training import train
 from tests.conftest import FAST, compose_train
 from tests.toy_modules import NoiseConditionalGaussian, TwoOptimiserToy
 
@@ -150,7 +150,7 @@ def test_two_optimiser_toy_alternates_clips_writes_grid_and_fid(tmp_path, shared
 
     from src.callbacks.samples import SampleGridCallback
     from src.data.mnist_images import MNISTImageDataModule
-    from src.train import follow_optimization_mode
+    from src.runs.training import follow_optimization_mode
 
     dm = MNISTImageDataModule(root=str(shared_data), limit=1200, batch_size=100, eval_batch_size=300)
     metrics = {"fid": {"kind": "mnist", "n_samples": 150}}

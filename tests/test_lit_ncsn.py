@@ -17,7 +17,7 @@ import torch
 
 from src.deq.block import phantom_truncation
 from src.runs.build import build
-from src.train import train
+from src.runs.training import train
 from tests.conftest import REPO_ROOT, compose_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")

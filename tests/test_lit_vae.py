@@ -9,7 +9,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.train import train
+from src.runs.training import train
 from tests.conftest import compose_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py

@@ -6,7 +6,7 @@ import json
 
 import yaml
 
-from src import report
+from src.reports import sweeps as report
 from src.reports.tables import (
     figure,
     format_summary,

@@ -163,7 +163,7 @@ def test_validation_leaves_the_training_rng_untouched(tmp_path, one_thread):
     training RNG where it found it (src.runs.rng, the loaders' own generators)."""
     if not SHARED_DATA.is_dir():
         pytest.skip(f"verified data sets not found at {SHARED_DATA}")
-    from src.train import train
+    from src.runs.training import train
     from tests.conftest import compose_train
 
     base = ["logger=none", "callbacks=default", "callbacks.progress_bar=null", "trainer.enable_progress_bar=false",

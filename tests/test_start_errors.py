@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from src.runs.build import build
-from src.train import OptimizedMetricNotLogged, optimized_value
+from src.runs.training import OptimizedMetricNotLogged, optimized_value
 from tests.conftest import FAST, REPO_ROOT, compose_train
 
 

@@ -76,7 +76,7 @@ def test_deq_trained_on_a_small_sawtooth(tmp_path, one_thread):
     (it fits three of the four pieces; exact implicit gradients instead of the phantom ones end at the same
     point). Stated fit: MSE < 0.03 (under a quarter of a constant's), L∞ < 0.35, and ≥ 3 regions counted on
     the trained weights (a wrong count of a dense W would be 1 or fail)."""
-    from src.train import train
+    from src.runs.training import train
     from tests.conftest import compose_train
 
     cfg = compose_train(["experiment=linear_regions", "deq=true", "model.construction=none", "deq.norm=frobenius",

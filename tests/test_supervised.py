@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from src.train import train
+from src.runs.training import train
 from tests.conftest import compose_train
 
 TINY = ["logger=none", "callbacks=none", "trainer.enable_progress_bar=false", "trainer.max_epochs=1",

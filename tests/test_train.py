@@ -10,7 +10,7 @@ from hydra.errors import ConfigCompositionException, InstantiationException
 from hydra.utils import instantiate
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError
 
-from src.train import train
+from src.runs.training import train
 from tests.conftest import FAST, FAST_MODEL, compose_train
 
 LOSSES = ["sm", "ssm", "ssm_vr", "dsm", "cp"]

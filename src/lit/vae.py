@@ -49,7 +49,7 @@ class VAELitModule(DeqsmModule):
     default_loss = "ssm_vr"
     # DDP: a training step runs two backward passes (score loss -> score_net; surrogate ELBO -> encoder and
     # decoder), each reaching only its optimiser's parameters, while DDP's reducer expects every parameter it
-    # wraps to get a gradient in each backward. src.train.follow_ddp_needs therefore runs this module under
+    # wraps to get a gradient in each backward. src.runs.training.follow_ddp_needs therefore runs this module under
     # Lightning's ``ddp_find_unused_parameters_true``: each backward all-reduces (averages) the gradients it
     # produced and leaves the other optimiser's parameters untouched. Chosen by measurement (2 CPU ranks):
     # plain ``ddp`` stops at the first step; Lightning's ``toggle_optimizer`` (requires_grad off for the other
