@@ -48,3 +48,18 @@ def test_report_reads_finished_jobs_only_and_render_rebuilds_the_table(tmp_path)
     (out / "deq_recurrence.md").unlink()
     study.main(["--render", "--out", str(out)])
     assert (out / "deq_recurrence.md").read_text() == md
+
+
+def test_decision_summary_means_and_verdicts_on_known_numbers():
+    """Mean ± sd per arm and the verdict of each claim over seeds: the record arm lower than the explicit one by far
+    more than 2 s.e. agrees; a difference inside 2 s.e. is undecided."""
+    losses = {"deq_record": [-10.0, -11.0, -12.0], "one_pass": [-10.5, -11.0, -11.5], "explicit": [-1.0, -2.0, -3.0],
+              "deq_paper": [-9.0, -10.0, -11.0]}
+    rows = [{"family": "dkef", "arm": arm, "seed": s, "test/sm_loss": v, "val/deq_recurrence_share": 0.25}
+            for arm, vals in losses.items() for s, v in enumerate(vals)]
+    text = "\n".join(study.decision_summary(rows))
+    assert "| deq_record | 3 | -11.00 ± 1.00 | 0.250 ± 0.000 |" in text
+    assert "| the DEQ of record beats the explicit network | agree (difference 9.00, 2 s.e. = 1.63) |" in text
+    assert "beats its one-pass control | undecided (difference 0.00" not in text  # equal means are said as such
+    assert "beats its one-pass control | undecided (equal means) |" in text
+    assert "beats the paper's DEQ | undecided (difference 1.00 ≤ 2 s.e. = 1.63) |" in text

@@ -37,7 +37,7 @@ from pathlib import Path
 
 from benchmarks.lib.jobs import run_parallel, thread_env
 from benchmarks.lib.results import machine_facts, note_lines, rendered, result_options, script_command, shown
-from src.reports.tables import load_results, write_results
+from src.reports.tables import format_summary, load_results, seed_verdict, summarise, write_results
 
 MODULE = "benchmarks.studies.deq_recurrence"
 STEM = "deq_recurrence"
@@ -233,6 +233,42 @@ def grid_command(grid: str) -> str:
     return f"python -m {MODULE} {args[grid]} --root <data dir> --work <dir> --parallel 2"
 
 
+# The claims a decision grid decides, per family: (claim, arm a, arm b) read "a's test loss is lower than b's".
+CLAIMS = (("the recurrence helps: the DEQ of record beats its one-pass control", "deq_record", "one_pass"),
+          ("the DEQ of record beats the explicit network", "deq_record", "explicit"),
+          ("the paper's DEQ (Frobenius λ = 2) beats the explicit network", "deq_paper", "explicit"),
+          ("the DEQ of record beats the paper's DEQ", "deq_record", "deq_paper"))
+
+
+def test_loss(row: dict) -> float | None:
+    return next((row[k] for k in ("test/sm_loss", "test/ssm_loss") if k in row), None)
+
+
+def decision_summary(rows: list[dict]) -> list[str]:
+    """Per family: each arm's test loss and recurrence share as mean ± sd over seeds, then a verdict per claim
+    (:data:`CLAIMS`; agree / disagree beyond 2 standard errors of the difference over seeds, else undecided)."""
+    lines = []
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family]
+        arms = dict.fromkeys(r["arm"] for r in mine)
+        losses = {a: [test_loss(r) for r in mine if r["arm"] == a] for a in arms}
+        lines += [f"### {family}: mean ± sd over seeds", "", "| arm | seeds | test loss | recurrence share |",
+                  "|---|---|---|---|"]
+        for arm in arms:
+            share = [r.get("val/deq_recurrence_share") for r in mine if r["arm"] == arm]
+            m, s, n = summarise(losses[arm])
+            ms, ss, ns = summarise(share)
+            lines.append(f"| {arm} | {n} | {format_summary('loss', m, s, n, 2)} | "
+                         f"{format_summary('share', ms, ss, ns, 3)} |")
+        lines += ["", "| claim (lower test loss is better) | verdict |", "|---|---|"]
+        for claim, a, b in CLAIMS:
+            if a in losses and b in losses:
+                verdict, _, _ = seed_verdict(losses[a], losses[b], lower_is_better=True)
+                lines.append(f"| {claim} | {verdict} |")
+        lines.append("")
+    return lines[:-1]  # blank lines between families, none after the last
+
+
 def markdown(section: dict, grid: str) -> str:
     rows = section["rows"]
     lines = [f"## {grid}", "", ("| family | arm | seed | share (mean over blocks) | share max | branch ratio | "
@@ -244,6 +280,8 @@ def markdown(section: dict, grid: str) -> str:
             r["family"], r["arm"], r["seed"], r.get("val/deq_recurrence_share"), r.get("val/deq_recurrence_share_max"),
             r.get("val/deq_branch_ratio"), r.get("val/deq_contraction_rate"), r.get("val/deq_iterations"),
             r.get("val/deq_hit_cap"), val, test)) + " |")
+    if grid.startswith("decision"):
+        lines += ["", *decision_summary(rows)]
     lines += ["", f"Jobs run by `{grid_command(grid)}`; table written by `{section['command']}`. Each job:", ""]
     lines += [f"- {r['family']}/{r['arm']} seed {r['seed']}: `{r['command']}`" for r in rows]
     return "\n".join(lines) + "\n"
