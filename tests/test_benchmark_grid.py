@@ -222,7 +222,7 @@ def test_lib_runs_a_modules_own_training_step_outside_a_trainer():
     assert moved == {"encoder", "decoder", "score_net"}
 
 
-def test_the_job_runner_reuses_a_finished_run_reruns_on_request_and_stops_at_its_time_limit(tmp_path, monkeypatch):
+def test_the_job_runner_reuses_a_finished_run_resumes_a_killed_one_reruns_on_request_and_stops_at_its_time_limit(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.json").write_text('{"global_step": 3}')
@@ -235,7 +235,16 @@ def test_the_job_runner_reuses_a_finished_run_reruns_on_request_and_stops_at_its
     failed = jobs.train_job(["model=no_such_model"], run, rerun=True)
     assert calls == [[sys.executable, "-m", "src.train", "model=no_such_model", f"hydra.run.dir={run}"]]
     assert not failed["ok"] and not failed["reused"] and "no_such_model" in failed["error"]
-    assert not (run / "metrics.json").exists()  # --rerun removed the old result before running
+    assert not (run / "metrics.json").exists()  # --rerun moved the old run aside before running
+    (kept,) = tmp_path.glob("run.replaced-*")
+    assert (kept / "metrics.json").read_text() == '{"global_step": 3}'  # nothing a user had is deleted
+    # a killed run (a last.ckpt, no metrics.json) continues from its newest state instead of being refused
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "checkpoints" / "last.ckpt").write_bytes(b"")
+    calls.clear()
+    jobs.train_job(["model=dkef"], run)
+    assert calls == [[sys.executable, "-m", "src.train", "model=dkef", f"ckpt_path={run / 'checkpoints' / 'last.ckpt'}",
+                      f"hydra.run.dir={run}"]]
     monkeypatch.undo()
     code, tail = jobs.run_module("json.tool", ["--no-such-flag"])  # a real process, its stderr's tail
     assert code == 2 and "--no-such-flag" in tail

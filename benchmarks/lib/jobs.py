@@ -63,12 +63,22 @@ def run_module(entry: str, args: Sequence[str], env: dict | None = None, capture
     return ran["code"], ran["tail"]
 
 
+def resume_overrides(run_dir: Path) -> list[str]:
+    """``["ckpt_path=<run_dir>/checkpoints/last.ckpt"]`` when an unfinished run (no ``metrics.json``) left its
+    newest state there — a job killed mid-run continues exactly where it stopped (src.train refuses to start a
+    new run in a directory that holds a checkpoint) —, else ``[]``."""
+    last = Path(run_dir) / "checkpoints" / "last.ckpt"
+    if (Path(run_dir) / "metrics.json").exists() or not last.is_file():
+        return []
+    return [f"ckpt_path={last}"]
+
+
 def train_job(overrides: Sequence[str], run_dir: Path | None, env: dict | None = None, rerun: bool = False,
               capture: bool = True, timeout_s: float | None = None) -> dict:
     """One ``python -m src.train <overrides> hydra.run.dir=<run_dir>`` job.
 
     A run directory that already holds ``metrics.json`` is reused (nothing runs) unless ``rerun``, which
-    deletes that file first; ``run_dir=None`` runs in a temporary directory, removed afterwards. A job still
+    moves the old run directory aside (``<name>.replaced-<time>``) and trains afresh; one whose run was killed resumes from its ``last.ckpt`` (:func:`resume_overrides`); ``run_dir=None`` runs in a temporary directory, removed afterwards. A job still
     running after ``timeout_s`` is stopped. Returns ``{"ok", "reused", "wall_s" (None when reused), "metrics"
     (its metrics.json, when ``ok``), "error" (the output's tail, only on failure), "stopped" (only when
     stopped)}``; ``ok`` means the job left a ``metrics.json``.
@@ -78,12 +88,12 @@ def train_job(overrides: Sequence[str], run_dir: Path | None, env: dict | None =
             return train_job(overrides, Path(tmp), env, rerun, capture, timeout_s)
     run_dir = Path(run_dir)
     done = run_dir / "metrics.json"
-    if rerun:
-        done.unlink(missing_ok=True)
+    if rerun and run_dir.exists():  # a fresh run: the old one is kept beside it, never deleted
+        run_dir.rename(run_dir.with_name(f"{run_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}"))
     if done.exists():
         return {"ok": True, "reused": True, "wall_s": None, "metrics": json.loads(done.read_text())}
-    ran = run_process([sys.executable, "-m", "src.train", *overrides, f"hydra.run.dir={run_dir}"], env, capture,
-                      timeout_s)
+    ran = run_process([sys.executable, "-m", "src.train", *overrides, *resume_overrides(run_dir),
+                       f"hydra.run.dir={run_dir}"], env, capture, timeout_s)
     out = {"ok": ran["code"] == 0 and done.exists(), "reused": False, "wall_s": ran["wall_s"]}
     if ran["stopped"]:
         out.update(stopped=True, error=f"stopped after {timeout_s:.0f} s (the time left in the budget)")

@@ -35,7 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.lib.jobs import run_parallel, thread_env
+from benchmarks.lib.jobs import resume_overrides, run_parallel, thread_env
 from benchmarks.lib.results import machine_facts, note_lines, rendered, result_options, script_command, shown
 from src.reports.tables import format_summary, load_results, seed_verdict, summarise, write_results
 
@@ -147,7 +147,7 @@ def run_jobs(todo: list[dict], work: Path, root: str, parallel: int) -> None:
     one torch thread each."""
     pending = [j for j in todo if not (run_dir(work, j) / "metrics.json").exists() and not running(run_dir(work, j))]
     run_parallel([(f"{j['family']}/{j['arm']} seed {j['seed']}",
-                   [sys.executable, *command(j, root, str(run_dir(work, j)))[1:]],
+                   [sys.executable, *command(j, root, str(run_dir(work, j)))[1:], *resume_overrides(run_dir(work, j))],
                    run_dir(work, j) / "train.log") for j in pending],
                  max(1, parallel), env=dict(thread_env(1), WANDB_MODE="disabled"))
 
