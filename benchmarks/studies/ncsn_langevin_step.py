@@ -4,7 +4,7 @@
 This sweeps ε and T (steps per level) on ONE trained checkpoint, with the same seed for every setting (the
 same start x₀ and the same noise draws, so the settings differ only in ε and T), and reports the FID of
 ``--n`` samples against ``--n`` test images on the shipped MNIST classifier's features — the protocol of
-``model.metrics.fid`` (``src/metrics/evaluation.py``: real images from ``split_tensor("test", n)``), with
+``model.metrics.fid`` (``src/metrics/fid.py``: real images from ``split_tensor("test", n)``), with
 the FID of ``--n`` real training images against the same test images as the floor at this sample size.
 
     python -m benchmarks.studies.ncsn_langevin_step --ckpt <run>/checkpoints/last.ckpt --root <data dir> \\
