@@ -167,7 +167,7 @@ def test_corrupt_data_files(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- full disk
 def test_full_disk_during_a_checkpoint_write(tmp_path, monkeypatch):
-    from src import checkpoints
+    from src.runs import checkpoints
     from src.runs.checkpoints import load_checked
     from src.runs.training import train
 
