@@ -14,11 +14,14 @@ def _finish(work, grid, job, metrics):
     (rd / "metrics.json").write_text(json.dumps(metrics))
 
 
-def test_decision_grid_has_four_arms_per_seed_in_its_run_directories(tmp_path):
+def test_decision_grid_has_its_arms_per_seed_in_its_run_directories(tmp_path):
     jobs = study.jobs("decision")
-    assert {(j["family"], j["arm"]) for j in jobs} == {
-        (f, a) for f in ("dkef", "nice") for a in ("deq_record", "deq_paper", "one_pass", "explicit")}
-    assert len(jobs) == 2 * 4 * len(study.SEEDS)
+    four = {(f, a) for f in ("dkef", "nice") for a in ("deq_record", "deq_paper", "one_pass", "explicit")}
+    three = {(f, a) for f in set(study.RECORD) - {"dkef", "nice"} for a in ("deq_record", "one_pass", "explicit")}
+    assert {(j["family"], j["arm"]) for j in jobs} == four | three
+    assert len(jobs) == (len(four) + len(three)) * len(study.SEEDS)
+    vae = next(j for j in jobs if j["family"] == "vae" and j["arm"] == "explicit")
+    assert "deq=false" in vae["overrides"] and "log_likelihood.test_points=100" in vae["overrides"]
     one_pass = next(j for j in jobs if j["family"] == "nice" and j["arm"] == "one_pass")
     assert one_pass["overrides"].endswith(f"{study.RECORD['nice']} deq.one_pass=true")
     assert study.run_dir(tmp_path, one_pass) == tmp_path / "nice" / "one_pass_seed0"
@@ -45,6 +48,7 @@ def test_report_reads_finished_jobs_only_and_render_rebuilds_the_table(tmp_path)
     assert str(tmp_path) not in text
     md = (out / "deq_recurrence.md").read_text()
     assert "| dkef | deq_record | 0 | 0.3 | – | – | – | 8 | – | -31 | -32.5 |" in md
+    assert "| deq_record | 1 | -32.50 | 0.300 | 8.0 |" in md
     (out / "deq_recurrence.md").unlink()
     study.main(["--render", "--out", str(out)])
     assert (out / "deq_recurrence.md").read_text() == md
@@ -58,8 +62,22 @@ def test_decision_summary_means_and_verdicts_on_known_numbers():
     rows = [{"family": "dkef", "arm": arm, "seed": s, "test/sm_loss": v, "val/deq_recurrence_share": 0.25}
             for arm, vals in losses.items() for s, v in enumerate(vals)]
     text = "\n".join(study.decision_summary(rows))
-    assert "| deq_record | 3 | -11.00 ± 1.00 | 0.250 ± 0.000 |" in text
-    assert "| the DEQ of record beats the explicit network | agree (difference 9.00, 2 s.e. = 1.63) |" in text
+    assert "| deq_record | 3 | -11.00 ± 1.00 | 0.250 ± 0.000 | — |" in text
+    sm = "test SM loss (lower is better)"
+    assert f"| the DEQ of record beats the explicit network | {sm} | agree (difference 9.00, 2 s.e. = 1.63) |" in text
     assert "beats its one-pass control | undecided (difference 0.00" not in text  # equal means are said as such
-    assert "beats its one-pass control | undecided (equal means) |" in text
-    assert "beats the paper's DEQ | undecided (difference 1.00 ≤ 2 s.e. = 1.63) |" in text
+    assert f"beats its one-pass control | {sm} | undecided (equal means) |" in text
+    assert f"beats the paper's DEQ | {sm} | undecided (difference 1.00 ≤ 2 s.e. = 1.63) |" in text
+
+
+def test_decision_summary_higher_is_better_for_log_likelihoods():
+    """The SSM-VAE is decided on its AIS log p(x): a higher mean agrees, and a missing arm's claims are skipped."""
+    lls = {"deq_record": [-100.0, -101.0, -102.0], "one_pass": [-110.0, -111.0, -112.0],
+           "explicit": [-90.0, -91.0, -92.0]}
+    rows = [{"family": "vae", "arm": arm, "seed": s, "test/log_likelihood": v}
+            for arm, vals in lls.items() for s, v in enumerate(vals)]
+    text = "\n".join(study.decision_summary(rows))
+    ll = "AIS log p(x) (nats, 100 images) (higher is better)"
+    assert f"one-pass control | {ll} | agree (difference 10.00, 2 s.e. = 1.63) |" in text
+    assert f"beats the explicit network | {ll} | disagree (difference 10.00, 2 s.e. = 1.63) |" in text
+    assert "paper's DEQ" not in text

@@ -368,3 +368,41 @@ def test_importing_the_metrics_does_not_import_torchvision():
             "sys.exit(int('torchvision' in sys.modules or 'torch_fidelity' in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=300, check=False)
     assert proc.returncode == 0
+
+
+def test_fid_metric_reports_the_white_out_of_generated_and_real_images(one_thread):
+    """test/white_fraction counts the generated pixels above 0.99 (the white-out of young score networks),
+    test/white_fraction_real the real ones: exact counts on images built with a known number of white pixels."""
+    from types import SimpleNamespace
+
+    from src.metrics.fid import FID
+
+    real_images = torch.zeros(40, 1, 28, 28)
+    real_images.view(40, -1)[:, :49] = 1.0  # 49 of 784 pixels white: 1/16
+    real_images.view(40, -1)[:, 49:60] = 0.99  # not above the threshold
+
+    class Data:
+        is_image = True
+
+        def split_tensor(self, split, n):
+            return real_images[:n]
+
+        def to_pixels(self, x):
+            return x
+
+    class Module:
+        trainer = SimpleNamespace(world_size=1, global_rank=0)
+        device = torch.device("cpu")
+
+        def sample_pixels(self, k, seed):
+            x = torch.full((k, 1, 28, 28), 0.5)
+            x.view(k, -1)[:, :392] = 0.995  # half of every generated image white
+            return x
+
+    for boot in (0, 10):
+        metric = FID(n_samples=30, batch_size=8, bootstrap=boot)
+        object.__setattr__(metric, "_fid", build_fid("mnist", feature=MeanPool()))
+        metric.setup(Module(), Data())
+        out = metric.compute(Module(), "test")
+        assert out["test/white_fraction"] == pytest.approx(0.5, abs=1e-12)
+        assert out["test/white_fraction_real"] == pytest.approx(1 / 16, abs=1e-12)

@@ -56,15 +56,20 @@ CANDIDATES = {
              "spectral_l2": "deq=true deq.norm=spectral deq.norm_lambda=2",
              "spectral_l1.2": "deq=true deq.norm=spectral deq.norm_lambda=1.2"},
     "nice": {"frobenius_l2": PAPER, "spectral_l2": "deq=true deq.norm=spectral deq.norm_lambda=2",
-             "spectral_l1.2": "deq=true deq.norm=spectral deq.norm_lambda=1.2"},
+             "spectral_l1.2": "deq=true deq.norm=spectral deq.norm_lambda=1.2",
+             "spectral_l1.05": "deq=true deq.norm=spectral deq.norm_lambda=1.05",
+             "spectral_l1.1_depth2": "deq=true depth=2 deq.norm=spectral deq.norm_lambda=1.1"},
     "vae": {"frobenius_l2": PAPER, "spectral_l2": "deq=true deq.norm=spectral deq.norm_lambda=2",
             "spectral_l1.2": "deq=true deq.norm=spectral deq.norm_lambda=1.2"},
     "ncsn": {"frobenius_l2": PAPER, "spectral_l2": "deq=true deq.norm=spectral deq.norm_lambda=2",
              "normalized_residual": "deq=true deq.block=normalized_residual",
-             "spectral_l1.5": "deq=true deq.norm=spectral deq.norm_lambda=1.5"},
+             "spectral_l1.5": "deq=true deq.norm=spectral deq.norm_lambda=1.5",
+             "spectral_l2_implicit": "deq=true deq.norm=spectral deq.norm_lambda=2 deq.backward=implicit",
+             "spectral_l1.5_implicit": "deq=true deq.norm=spectral deq.norm_lambda=1.5 deq.backward=implicit"},
 }
 SEEDS = (0, 1, 2)
-EXPLICIT = {"dkef": "deq=false", "nice": "deq=false"}
+EXPLICIT = {"dkef": "deq=false", "nice": "deq=false", "vae": "deq=false",  # the SSM VAE's MLP score estimator
+            "ncsn": "deq=false depth=1"}  # TwoRes: a plain ResBlock where the DEQ-ResBlock was
 KEYS = ("deq_recurrence_share", "deq_recurrence_share_max", "deq_branch_ratio", "deq_contraction_rate",
         "deq_iterations", "deq_hit_cap")
 
@@ -72,8 +77,26 @@ KEYS = ("deq_recurrence_share", "deq_recurrence_share_max", "deq_branch_ratio", 
 RECORD = {  # each family's DEQ block of record (chosen on the candidates grid; its conf/experiment default)
     "dkef": "deq=true deq.norm=spectral deq.norm_lambda=2",
     "nice": "deq=true deq.norm=spectral deq.norm_lambda=1.2",
+    "vae": "deq=true deq.norm=spectral deq.norm_lambda=2",
 }
 FULL_STEPS = {"dkef": 2700, "nice": 1000}  # the committed protocols: DKEF 300 epochs of RedWine, NICE 1000 steps
+# What a decision job evaluates at its test beyond the run's own preset (keys given on the command line win over
+# eval=auto's quick caps): the SSM-VAE's AIS log p(x) on 100 test images with 300 intermediate distributions
+# (a lower bound like every AIS estimate; the same schedule for every arm); the NCSN's FID of 500 samples with
+# its bootstrap sd, from the experiment's own sampler (eval=standard: T = 20 per level at 2e-5).
+DECISION_TEST = {
+    "vae": "model.metrics.log_likelihood.test_points=100 model.metrics.log_likelihood.ais.n_steps=300",
+    "ncsn": "eval=standard model.metrics.fid.n_samples=500 model.metrics.fid.bootstrap=100",
+}
+# The test figures each family is decided on: (key, label, lower is better).
+DECISION_METRICS = {
+    "dkef": (("test/sm_loss", "test SM loss", True),),
+    "nice": (("test/log_likelihood", "test log-likelihood (nats)", False), ("test/sm_loss", "test SM loss", True)),
+    "vae": (("test/log_likelihood", "AIS log p(x) (nats, 100 images)", False),),
+    "ncsn": (("test/fid", "FID (500 samples)", True), ("test/dsm_loss", "test DSM loss", True)),
+}
+SHOWN = {"ncsn": (("test/fid_bootstrap_sd", "FID bootstrap sd"), ("test/white_fraction", "white-out")),
+         "vae": (("test/log_likelihood_stderr", "AIS s.e. over images"),)}
 
 
 CHOICE = """Blocks of record, chosen on the candidates grid below (seed 0, short runs; each family's share at
@@ -93,10 +116,15 @@ the paper's Frobenius λ = 2 block is near-inert, below 10 %):
 
 
 def decision_arms(family: str) -> dict[str, str]:
-    """The four arms of the decision grid: DEQ of record, the paper's DEQ, the one-pass control of the DEQ of
-    record (the same network, z* replaced by φ(0; p), trained as an explicit net) and the explicit network."""
-    return {"deq_record": RECORD[family], "deq_paper": PAPER, "one_pass": f"{RECORD[family]} deq.one_pass=true",
-            "explicit": EXPLICIT[family]}
+    """The arms of the decision grid: the DEQ of record, the paper's DEQ (DKEF, NICE: the paper's tables), the
+    one-pass control of the DEQ of record (the same network, z* replaced by φ(0; p), trained as an explicit net)
+    and the explicit network (the SSM VAE; TwoRes for the NCSN)."""
+    arms = {"deq_record": RECORD[family]}
+    if family in ("dkef", "nice"):
+        arms["deq_paper"] = PAPER
+    arms["one_pass"] = f"{RECORD[family]} deq.one_pass=true"
+    arms["explicit"] = EXPLICIT[family]
+    return arms
 
 
 def jobs(grid: str, protocol: str = "short") -> list[dict]:
@@ -110,13 +138,14 @@ def jobs(grid: str, protocol: str = "short") -> list[dict]:
                     out.append({"family": fam, "arm": name, "seed": 0, "steps": steps,
                                 "overrides": f"{base} {over}", "test": False})
     else:
-        for fam in ("dkef", "nice"):
+        for fam in RECORD if protocol == "short" else FULL_STEPS:  # full: the families with a committed protocol
             base, steps = FAMILIES[fam]
             steps = FULL_STEPS[fam] if protocol == "full" else steps
+            extra = f" {DECISION_TEST[fam]}" if fam in DECISION_TEST else ""
             for seed in SEEDS:
                 for arm, over in decision_arms(fam).items():
                     out.append({"family": fam, "arm": arm, "seed": seed, "steps": steps,
-                                "overrides": f"{base} {over}", "test": True})
+                                "overrides": f"{base} {over}{extra}", "test": True})
     return out
 
 
@@ -167,12 +196,12 @@ def collect(job: dict, work: Path) -> dict:
             if vals:
                 row[f"{stage}/{key}"] = statistics.mean(vals)
                 row[f"{stage}/{key}_blocks"] = vals
-    for key in ("test/sm_loss", "test/ssm_loss", "test/loglik", "test/nll", "val/sm_loss", "val/dsm_loss",
-                "val/ssm_vr_loss", "val/ssm_loss", "profile/deq_iterations_mean", "profile/deq_hit_cap_count",
-                "profile/time_per_step_s"):
+    for key in ("test/sm_loss", "test/ssm_loss", "test/log_likelihood", "test/log_likelihood_stderr", "test/fid",
+                "test/fid_bootstrap_sd", "test/fid_n_samples", "test/white_fraction", "test/white_fraction_real",
+                "test/dsm_loss", "test/ssm_vr_loss", "val/sm_loss", "val/dsm_loss", "val/ssm_vr_loss", "val/ssm_loss",
+                "profile/deq_iterations_mean", "profile/deq_hit_cap_count", "profile/time_per_step_s"):
         if key in m:
             row[key] = m[key]
-    row.update({k: v for k, v in m.items() if k.startswith("test/") and "loglik" in k})
     return row
 
 
@@ -233,7 +262,7 @@ def grid_command(grid: str) -> str:
     return f"python -m {MODULE} {args[grid]} --root <data dir> --work <dir> --parallel 2"
 
 
-# The claims a decision grid decides, per family: (claim, arm a, arm b) read "a's test loss is lower than b's".
+# The claims a decision grid decides, per family: (claim, arm a, arm b) read "a's test figure is better than b's".
 CLAIMS = (("the recurrence helps: the DEQ of record beats its one-pass control", "deq_record", "one_pass"),
           ("the DEQ of record beats the explicit network", "deq_record", "explicit"),
           ("the paper's DEQ (Frobenius λ = 2) beats the explicit network", "deq_paper", "explicit"),
@@ -241,30 +270,38 @@ CLAIMS = (("the recurrence helps: the DEQ of record beats its one-pass control",
 
 
 def test_loss(row: dict) -> float | None:
-    return next((row[k] for k in ("test/sm_loss", "test/ssm_loss") if k in row), None)
+    """The row's first decision figure (:data:`DECISION_METRICS`), shown in the grid's table."""
+    return next((row[k] for k, _, _ in DECISION_METRICS.get(row["family"], ()) if k in row), None)
 
 
 def decision_summary(rows: list[dict]) -> list[str]:
-    """Per family: each arm's test loss and recurrence share as mean ± sd over seeds, then a verdict per claim
-    (:data:`CLAIMS`; agree / disagree beyond 2 standard errors of the difference over seeds, else undecided)."""
+    """Per family: each arm's decision figures (:data:`DECISION_METRICS`, then :data:`SHOWN`) and recurrence share
+    as mean ± sd over seeds, then a verdict per claim and figure (:data:`CLAIMS`; agree / disagree beyond 2
+    standard errors of the difference over seeds, else undecided)."""
     lines = []
     for family in dict.fromkeys(r["family"] for r in rows):
         mine = [r for r in rows if r["family"] == family]
         arms = dict.fromkeys(r["arm"] for r in mine)
-        losses = {a: [test_loss(r) for r in mine if r["arm"] == a] for a in arms}
-        lines += [f"### {family}: mean ± sd over seeds", "", "| arm | seeds | test loss | recurrence share |",
-                  "|---|---|---|---|"]
+        metrics = [m for m in DECISION_METRICS.get(family, ()) if any(m[0] in r for r in mine)]
+        shown = [m for m in SHOWN.get(family, ()) if any(m[0] in r for r in mine)]
+        values = {(a, k): [r.get(k) for r in mine if r["arm"] == a] for a in arms for k, *_ in metrics + shown}
+        lines += [f"### {family}: mean ± sd over seeds", "",
+                  "| arm | seeds | " + " | ".join(label for _, label, *_ in metrics + shown) + " | recurrence share |"
+                  " iterations |", "|---|---|" + "---|" * (len(metrics) + len(shown) + 2)]
         for arm in arms:
             share = [r.get("val/deq_recurrence_share") for r in mine if r["arm"] == arm]
-            m, s, n = summarise(losses[arm])
-            ms, ss, ns = summarise(share)
-            lines.append(f"| {arm} | {n} | {format_summary('loss', m, s, n, 2)} | "
-                         f"{format_summary('share', ms, ss, ns, 3)} |")
-        lines += ["", "| claim (lower test loss is better) | verdict |", "|---|---|"]
+            iters = [r.get("val/deq_iterations") for r in mine if r["arm"] == arm]
+            n = sum(1 for r in mine if r["arm"] == arm)
+            cells = [format_summary(k, *summarise(values[(arm, k)]), 3 if "white" in k else 2)
+                     for k, *_ in metrics + shown]
+            lines.append(f"| {arm} | {n} | " + " | ".join(cells) + f" | {format_summary('share', *summarise(share), 3)}"
+                         f" | {format_summary('iterations', *summarise(iters), 1)} |")
+        lines += ["", "| claim | figure | verdict |", "|---|---|---|"]
         for claim, a, b in CLAIMS:
-            if a in losses and b in losses:
-                verdict, _, _ = seed_verdict(losses[a], losses[b], lower_is_better=True)
-                lines.append(f"| {claim} | {verdict} |")
+            if a in arms and b in arms:
+                for key, label, lower in metrics:
+                    verdict, _, _ = seed_verdict(values[(a, key)], values[(b, key)], lower_is_better=lower)
+                    lines.append(f"| {claim} | {label} ({'lower' if lower else 'higher'} is better) | {verdict} |")
         lines.append("")
     return lines[:-1]  # blank lines between families, none after the last
 
@@ -272,10 +309,10 @@ def decision_summary(rows: list[dict]) -> list[str]:
 def markdown(section: dict, grid: str) -> str:
     rows = section["rows"]
     lines = [f"## {grid}", "", ("| family | arm | seed | share (mean over blocks) | share max | branch ratio | "
-             "contraction | iterations | hit cap | val loss | test loss |"), "|" + "---|" * 11]
+             "contraction | iterations | hit cap | val loss | test figure |"), "|" + "---|" * 11]
     for r in rows:
         val = next((r[k] for k in ("val/sm_loss", "val/ssm_loss", "val/ssm_vr_loss", "val/dsm_loss") if k in r), None)
-        test = next((r[k] for k in ("test/sm_loss", "test/ssm_loss") if k in r), None)
+        test = test_loss(r)
         lines.append("| " + " | ".join(fmt(x) for x in (
             r["family"], r["arm"], r["seed"], r.get("val/deq_recurrence_share"), r.get("val/deq_recurrence_share_max"),
             r.get("val/deq_branch_ratio"), r.get("val/deq_contraction_rate"), r.get("val/deq_iterations"),
