@@ -55,6 +55,29 @@ def test_silent_on_request_on_other_ranks_and_in_a_terminal(caplog, monkeypatch)
     assert len(caplog.records) == 5
 
 
+def test_a_long_validation_logs_its_batches(caplog, monkeypatch):
+    """A validation says when it starts (its batch count) and, when it lasts longer than every_s, how far it
+    is every every_s seconds; nothing during the sanity check."""
+    caplog.set_level(logging.INFO, logger="src.callbacks.log_progress")
+    clock = iter(range(0, 1000, 20))  # each call to the clock: 20 s later
+    monkeypatch.setattr("src.callbacks.log_progress.time.monotonic", lambda: float(next(clock)))
+    cb = LogProgress(every_s=30.0, when="always")
+    trainer = fake_trainer(global_step=200, num_val_batches=[4])
+    cb.on_validation_start(trainer, None)
+    for i in range(4):
+        cb.on_validation_batch_end(trainer, None, None, None, i)
+    cb.on_validation_end(trainer, None)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == ["validation at step 200: 4 batches", "validation at step 200: batch 2/4, 40.0 s",
+                     "validation at step 200: batch 4/4, 1 min 20 s",
+                     "validation at epoch 0 step 200: val/sm_loss 0.5"]
+    caplog.clear()
+    sanity = fake_trainer(sanity_checking=True, num_val_batches=[2])
+    cb.on_validation_start(sanity, None)
+    cb.on_validation_batch_end(sanity, None, None, None, 0)
+    assert caplog.records == []
+
+
 def test_bad_settings_are_one_line():
     with pytest.raises(ValueError, match="callbacks.log_progress.when='sometimes' is invalid"):
         LogProgress(when="sometimes")

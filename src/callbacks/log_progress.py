@@ -6,7 +6,9 @@ ends. When stdout is not a terminal, :class:`LogProgress` logs instead, on globa
 
     epoch 2 step 1200/5000 (24 %): loss 1.2345, 0.081 s/step, ETA 5 min 08 s
 
-plus one line per validation (the logged ``val/`` scalars) and one at the end of training. ``when``: ``auto``
+plus, for a validation, one line when it starts (its batch count) and, if it takes longer than ``every_s``,
+a line every ``every_s`` seconds with the batches done (a NICE validation computes the exact SM loss at
+D = 784: minutes on a CPU), then one line with the logged ``val/`` scalars; and one at the end of training. ``when``: ``auto``
 (only when stdout is not a terminal), ``always``, or ``never`` (silent). The long evaluation phases (Langevin,
 AIS, FID, test points) log their own lines in that case: :mod:`src.runs.progress`.
 """
@@ -61,6 +63,9 @@ class LogProgress(Callback):
         self._t0 = self._t_last = 0.0
         self._step0 = self._step_last = 0
         self._total: int | None = None
+        self._val_t0 = self._val_last = 0.0
+        self._val_total: int | None = None
+        self._val_done = 0
 
     def active(self, trainer: L.Trainer) -> bool:
         if self.when == "never" or not trainer.is_global_zero:
@@ -112,6 +117,28 @@ class LogProgress(Callback):
         loss_text = f"loss {loss:.6g}, " if loss is not None else ""
         log.info("epoch %d %s: %s%.3g s/step%s", trainer.current_epoch, where, loss_text, s_per_step, eta)
         self._t_last, self._step_last = now, step
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or not self.active(trainer):
+            return
+        batches = getattr(trainer, "num_val_batches", None) or [None]
+        total = sum(int(b) for b in batches if b is not None and math.isfinite(b)) or None
+        self._val_t0 = self._val_last = time.monotonic()
+        self._val_total, self._val_done = total, 0
+        log.info("validation at step %d: %s", trainer.global_step,
+                 f"{total} batches" if total is not None else "started")
+
+    def on_validation_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        if trainer.sanity_checking or not self.active(trainer) or self.every_s is None:
+            return
+        self._val_done += 1
+        now = time.monotonic()
+        if now - self._val_last >= self.every_s:
+            of = f"/{self._val_total}" if self._val_total else ""
+            log.info("validation at step %d: batch %d%s, %s", trainer.global_step, self._val_done, of,
+                     format_duration(now - self._val_t0))
+            self._val_last = now
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.sanity_checking or not self.active(trainer):
