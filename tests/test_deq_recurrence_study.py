@@ -81,3 +81,14 @@ def test_decision_summary_higher_is_better_for_log_likelihoods():
     assert f"one-pass control | {ll} | agree (difference 10.00, 2 s.e. = 1.63) |" in text
     assert f"beats the explicit network | {ll} | disagree (difference 10.00, 2 s.e. = 1.63) |" in text
     assert "paper's DEQ" not in text
+
+
+def test_protocol_grid_keeps_each_experiments_own_length():
+    """The protocol grid runs each family's experiment with deq=true (its block of record) as committed: no
+    step count, validation schedule or block override in its command."""
+    jobs = study.jobs("protocol")
+    assert [j["family"] for j in jobs] == ["dkef", "nice", "vae", "ncsn"]
+    for j in jobs:
+        cmd = " ".join(study.command(j, "<data dir>", "<run dir>"))
+        assert "deq=true" in cmd and "max_steps" not in cmd and "val_check_interval" not in cmd
+        assert "deq.norm" not in cmd and "test=false" in cmd

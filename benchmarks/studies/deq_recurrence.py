@@ -13,10 +13,13 @@ is left alone:
 - ``decision``: DKEF RedWine (SM) and NICE (SSM), 3 seeds of four arms: the DEQ of record, the paper's Frobenius
   DEQ, the one-pass control of the DEQ of record (``deq.one_pass=true``: z* replaced by φ(0; p), trained as an
   explicit network) and the explicit baseline; test losses with the share and iterations beside each row.
+- ``protocol``: each family's default DEQ run (its experiment with ``deq=true``: the block of record) at the
+  experiment's own length and validation schedule, seed 0, no test: the share at the end of the committed protocol.
 - ``stoprule``: where Picard on a CIFAR-sized float32 state bottoms out, and the iterations each stop rule needs.
 
     python -m benchmarks.studies.deq_recurrence candidates --root <data dir> --work <dir> --parallel 2
     python -m benchmarks.studies.deq_recurrence decision --root <data dir> --work <dir> --parallel 2
+    python -m benchmarks.studies.deq_recurrence protocol --root <data dir> --work <dir> --parallel 2
     python -m benchmarks.studies.deq_recurrence report --work <dir>     # tables only, from finished jobs
     python -m benchmarks.studies.deq_recurrence stoprule
     python -m benchmarks.studies.deq_recurrence --render                # the markdown from the JSON
@@ -42,7 +45,7 @@ from src.reports.tables import format_summary, load_results, seed_verdict, summa
 
 MODULE = "benchmarks.studies.deq_recurrence"
 STEM = "deq_recurrence"
-SECTIONS = ("stoprule", "candidates", "decision_short", "decision_full")  # the result's sections
+SECTIONS = ("stoprule", "candidates", "protocol", "decision_short", "decision_full")  # the result's sections
 
 VAL_EVERY = {"vae": 2}  # Lightning steps per training batch (the VAE's two optimizers step in turn)
 FAMILIES = {  # base overrides and short-run length of each family (the issue's probe protocols)
@@ -126,6 +129,14 @@ the paper's Frobenius λ = 2 block is near-inert, below 10 %):
 - DKEF frobenius rows ran under the former stop rule (absolute 1e-5); every other row under rel 1e-4."""
 
 
+PROTOCOL = {  # each family's experiment with its DEQ block of record, at the experiment's own length
+    "dkef": "experiment=dkef_uci data=redwine loss=sm deq=true",  # 300 epochs of RedWine (~2700 steps)
+    "nice": "experiment=nice_mnist deq=true",  # 1000 steps
+    "vae": "experiment=vae_mnist deq=true",  # 20 000 steps (10^4 iterations)
+    "ncsn": "experiment=ncsn_mnist deq=true",  # 500 steps at batch 64
+}
+
+
 def decision_arms(family: str) -> dict[str, str]:
     """The arms of the decision grid: the DEQ of record, the paper's DEQ (DKEF, NICE: the paper's tables), the
     one-pass control of the DEQ of record (the same network, z* replaced by φ(0; p), trained as an explicit net)
@@ -140,6 +151,9 @@ def decision_arms(family: str) -> dict[str, str]:
 
 def jobs(grid: str, protocol: str = "short") -> list[dict]:
     out = []
+    if grid == "protocol":
+        return [{"family": fam, "arm": "deq_record", "seed": 0, "steps": None, "overrides": over, "test": False}
+                for fam, over in PROTOCOL.items()]
     if grid == "candidates":  # round robin over the families: each family's first candidates come first
         for i in range(max(len(v) for v in CANDIDATES.values())):
             for fam, variants in CANDIDATES.items():
@@ -161,12 +175,15 @@ def jobs(grid: str, protocol: str = "short") -> list[dict]:
 
 
 def command(job: dict, root: str, run_dir: str) -> list[str]:
-    """The training command of ``job``: validation at the last step (the shares are read there)."""
-    val = job["steps"] // VAL_EVERY.get(job["family"], 1)
+    """The training command of ``job``: validation at the last step (the shares are read there); a job with no
+    ``steps`` (the ``protocol`` grid) keeps its experiment's length and validation schedule."""
+    length = []
+    if job["steps"] is not None:
+        length = [f"trainer.max_steps={job['steps']}",
+                  f"trainer.val_check_interval={job['steps'] // VAL_EVERY.get(job['family'], 1)}",
+                  "trainer.check_val_every_n_epoch=null"]
     return ["python", "-m", "src.train", *job["overrides"].split(), f"data.root={root}", f"seed={job['seed']}",
-            f"trainer.max_steps={job['steps']}", f"trainer.val_check_interval={val}",
-            "trainer.check_val_every_n_epoch=null", "logger=csv", f"test={str(job['test']).lower()}",
-            f"hydra.run.dir={run_dir}"]
+            *length, "logger=csv", f"test={str(job['test']).lower()}", f"hydra.run.dir={run_dir}"]
 
 
 def run_dir(work: Path, job: dict) -> Path:
@@ -269,7 +286,8 @@ def fmt(v) -> str:
 
 def grid_command(grid: str) -> str:
     """The command that runs a grid's jobs (``decision_full``: ``decision --protocol full``)."""
-    args = {"candidates": "candidates", "decision_short": "decision", "decision_full": "decision --protocol full"}
+    args = {"candidates": "candidates", "protocol": "protocol", "decision_short": "decision",
+            "decision_full": "decision --protocol full"}
     return f"python -m {MODULE} {args[grid]} --root <data dir> --work <dir> --parallel 2"
 
 
@@ -367,7 +385,7 @@ def legacy_layout(res: dict) -> dict:
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("grid", nargs="?", choices=("candidates", "decision", "report", "stoprule"))
+    ap.add_argument("grid", nargs="?", choices=("candidates", "protocol", "decision", "report", "stoprule"))
     ap.add_argument("--root", default="data", help="data directory (data.root)")
     ap.add_argument("--work", default=None, help="directory of the run directories (outside the repository)")
     ap.add_argument("--parallel", type=int, default=2)
@@ -381,7 +399,7 @@ def main(argv=None) -> None:
     if rendered(args, STEM, render):
         return
     if not args.grid:
-        ap.error("name a grid (candidates, decision, report, stoprule) or give --render")
+        ap.error("name a grid (candidates, protocol, decision, report, stoprule) or give --render")
     if args.grid != "stoprule" and not args.work:
         ap.error(f"{args.grid} needs --work <dir> (the run directories, outside the repository)")
     work = Path(args.work or ".")
@@ -394,7 +412,7 @@ def main(argv=None) -> None:
     results = {}
     if args.grid == "stoprule":
         results["stoprule"] = {"command": cmd, "rows": stop_rule()}
-    for grid in () if args.grid == "stoprule" else (("candidates", "decision") if args.grid == "report"
+    for grid in () if args.grid == "stoprule" else (("candidates", "protocol", "decision") if args.grid == "report"
                                                      else (args.grid,)):
         todo = [j for j in jobs(grid, args.protocol) if j["family"] in fams
                 and (not args.arms or f"{j['family']}:{j['arm']}" in args.arms.split(","))]
