@@ -16,8 +16,8 @@ def _finish(work, grid, job, metrics):
 
 def test_decision_grid_has_its_arms_per_seed_in_its_run_directories(tmp_path):
     jobs = study.jobs("decision")
-    four = {(f, a) for f in ("dkef", "nice") for a in ("deq_record", "deq_paper", "one_pass", "explicit")}
-    three = {(f, a) for f in set(study.RECORD) - {"dkef", "nice"} for a in ("deq_record", "one_pass", "explicit")}
+    four = {(f, a) for f in ("dkef", "nice", "ncsn") for a in ("deq_record", "deq_paper", "one_pass", "explicit")}
+    three = {("vae", a) for a in ("deq_record", "one_pass", "explicit")}
     assert {(j["family"], j["arm"]) for j in jobs} == four | three
     assert len(jobs) == (len(four) + len(three)) * len(study.SEEDS)
     vae = next(j for j in jobs if j["family"] == "vae" and j["arm"] == "explicit")

@@ -138,11 +138,11 @@ PROTOCOL = {  # each family's experiment with its DEQ block of record, at the ex
 
 
 def decision_arms(family: str) -> dict[str, str]:
-    """The arms of the decision grid: the DEQ of record, the paper's DEQ (DKEF, NICE: the paper's tables), the
+    """The arms of the decision grid: the DEQ of record, the paper's DEQ (DKEF, NICE, NCSN: the paper's claims), the
     one-pass control of the DEQ of record (the same network, z* replaced by φ(0; p), trained as an explicit net)
     and the explicit network (the SSM VAE; TwoRes for the NCSN)."""
     arms = {"deq_record": RECORD[family]}
-    if family in ("dkef", "nice"):
+    if family in ("dkef", "nice", "ncsn"):  # the paper's tables: DKEF, NICE; its DEQ-NCSN against TwoRes (§4.4)
         arms["deq_paper"] = PAPER
     arms["one_pass"] = f"{RECORD[family]} deq.one_pass=true"
     arms["explicit"] = EXPLICIT[family]
