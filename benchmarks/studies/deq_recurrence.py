@@ -110,7 +110,8 @@ DECISION_METRICS = {
     "ncsn": (("test/fid", "FID (500 samples)", True), ("test/dsm_loss", "test DSM loss", True)),
 }
 SHOWN = {"ncsn": (("test/fid_bootstrap_sd", "FID bootstrap sd"), ("test/white_fraction", "white-out")),
-         "vae": (("test/log_likelihood_stderr", "AIS s.e. over images"),)}
+         # the score estimator's SSM loss on its own encoder's latents: each arm's q(z|x) differs, so not decided on
+         "vae": (("test/log_likelihood_stderr", "AIS s.e. over images"), ("test/score_ssm_loss", "estimator SSM loss"))}
 
 
 CHOICE = """Blocks of record, chosen on the candidates grid below (seed 0, short runs; each family's share at
@@ -233,7 +234,7 @@ def collect(job: dict, work: Path) -> dict:
                 row[f"{stage}/{key}_blocks"] = vals
     for key in ("test/sm_loss", "test/ssm_loss", "test/log_likelihood", "test/log_likelihood_stderr", "test/fid",
                 "test/fid_bootstrap_sd", "test/fid_n_samples", "test/white_fraction", "test/white_fraction_real",
-                "test/dsm_loss", "test/ssm_vr_loss", "val/sm_loss", "val/dsm_loss", "val/ssm_vr_loss", "val/ssm_loss",
+                "test/dsm_loss", "test/ssm_vr_loss", "test/score_ssm_loss", "val/sm_loss", "val/dsm_loss", "val/ssm_vr_loss", "val/ssm_loss",
                 "profile/deq_iterations_mean", "profile/deq_hit_cap_count", "profile/time_per_step_s"):
         if key in m:
             row[key] = m[key]
