@@ -24,12 +24,20 @@ class Recorder(L.Callback):
 
     def __init__(self):
         self.steps: dict[int, dict[str, torch.Tensor]] = {}
+        self.validation_end: dict[int, dict[str, torch.Tensor]] = {}
+        self.after_validation: dict[int, dict[str, torch.Tensor]] = {}
         self.tested: dict[str, torch.Tensor] | None = None
         self.tested_buffers: dict[str, torch.Tensor] | None = None
         RECORDERS.append(self)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+
+    def on_validation_epoch_end(self, trainer, pl_module):  # as the module's own epoch end sees them
+        self.validation_end[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
+
+    def on_validation_end(self, trainer, pl_module):  # after validation, as a checkpoint sees them
+        self.after_validation[trainer.global_step] = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
 
     def on_test_end(self, trainer, pl_module):  # where a model or a callback draws samples
         self.tested = {k: v.detach().clone() for k, v in pl_module.named_parameters()}
@@ -90,6 +98,11 @@ def test_ema_on_tests_the_average_of_the_steps(tmp_path, one_thread, checkpoints
         assert_same({k: ckpt["state_dict"][k] for k in rec.steps[step]}, ema_by_hand(rec.steps, step, DECAY))
         assert_same({k: ckpt["current_model_state"][k] for k in rec.steps[step]}, rec.steps[step], atol=0)
         assert int(ckpt["averaging_state"]["n_averaged"]) == step
+        # the whole validation runs on the average, its end included (the module's metrics' compute and the DEQ
+        # diagnostics run there), and the trained weights are back before the checkpoint is written
+        for s in (6, 12):
+            assert_same(rec.validation_end[s], ema_by_hand(rec.steps, s, DECAY))
+            assert_same(rec.after_validation[s], rec.steps[s], atol=0)
         ema_state = [v for k, v in ckpt["callbacks"].items() if k.startswith("EMA")]
         assert ema_state == [{"latest_update_step": step}]
         # re-evaluating the checkpoint (a fresh Trainer, no callbacks) sees the same averaged weights
