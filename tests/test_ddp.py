@@ -114,6 +114,9 @@ def test_vae_two_optimisers_under_ddp(tmp_path, shared_data):
                 "test/fid_bootstrap_sd"):  # the bootstrap over both ranks' gathered features
         assert torch.isfinite(torch.tensor(metrics[key])), key
     assert 200 < metrics["test/recon_error"] < 1000  # binarised 28x28 images, a nearly untrained decoder
+    # white-out counts summed over both ranks: the 8 real images are binarised, so their white share is their
+    # share of ones (MNIST: 10-20 %); the generated ones are Bernoulli means, never above 0.99 untrained
+    assert 0.05 < metrics["test/white_fraction_real"] < 0.3 and 0 <= metrics["test/white_fraction"] < 0.05
 
 
 # ------------------------------------------------------------------------------ DKEF, NCSN (check A)

@@ -8,9 +8,9 @@ ends. When stdout is not a terminal, :class:`LogProgress` logs instead, on globa
 
 plus, for a validation, one line when it starts (its batch count) and, if it takes longer than ``every_s``,
 a line every ``every_s`` seconds with the batches done (a NICE validation computes the exact SM loss at
-D = 784: minutes on a CPU), then one line with the logged ``val/`` scalars; and one at the end of training. ``when``: ``auto``
-(only when stdout is not a terminal), ``always``, or ``never`` (silent). The long evaluation phases (Langevin,
-AIS, FID, test points) log their own lines in that case: :mod:`src.runs.progress`.
+D = 784: minutes on a CPU), then one line with the logged ``val/`` scalars; and one at the end of training.
+``when``: ``auto`` (only when stdout is not a terminal), ``always``, or ``never`` (silent). The long
+evaluation phases (Langevin, AIS, FID, test points) log their own lines in that case: :mod:`src.runs.progress`.
 """
 
 from __future__ import annotations
