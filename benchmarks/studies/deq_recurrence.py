@@ -69,7 +69,9 @@ CANDIDATES = {
              "normalized_residual": "deq=true deq.block=normalized_residual",
              "spectral_l1.5": "deq=true deq.norm=spectral deq.norm_lambda=1.5",
              "spectral_l2_implicit": "deq=true deq.norm=spectral deq.norm_lambda=2 deq.backward=implicit",
-             "spectral_l1.5_implicit": "deq=true deq.norm=spectral deq.norm_lambda=1.5 deq.backward=implicit"},
+             "spectral_l1.5_implicit": "deq=true deq.norm=spectral deq.norm_lambda=1.5 deq.backward=implicit",
+             # converges under SSM-VR with the exact backward (benchmarks/results/ncsn_block_divergence.md)
+             "normalized_residual_implicit": "deq=true deq.block=normalized_residual deq.backward=implicit"},
 }
 SEEDS = (0, 1, 2)
 EXPLICIT = {"dkef": "deq=false", "nice": "deq=false", "vae": "deq=false",  # the SSM VAE's MLP score estimator
