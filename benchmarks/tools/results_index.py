@@ -33,6 +33,7 @@ REBUILT_BY = {
     "ais_bias": "benchmarks.studies.ais_bias --render",
     "ais_bias_vae": "benchmarks.studies.ais_bias --render --name ais_bias_vae",
     "deq_recurrence": "benchmarks.studies.deq_recurrence --render",
+    "ncsn_block_divergence": "benchmarks.studies.ncsn_block_divergence --render",
     "deq_solvers": "benchmarks.studies.deq_solvers --render",
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
@@ -66,9 +67,14 @@ SHOWS = {
                 "error in nats and how often the estimate lies above the truth, per step-size rule and number of "
                 "steps T.",
     "deq_recurrence": "Issue 41: the recurrence share ‖z* − φ(0; p)‖/‖z*‖ of each family's DEQ block per candidate "
-                      "block (the paper's Frobenius λ = 2, spectral, smaller λ; chooses the blocks of record), the "
-                      "DEQ vs paper DEQ vs one-pass control vs explicit decision grid, and where a float32 Picard "
-                      "solve of a CIFAR-sized state bottoms out (the stop rule).",
+                      "block (the paper's Frobenius λ = 2, spectral, smaller λ; chooses the blocks of record), at "
+                      "the end of each committed protocol, the DEQ vs paper DEQ vs one-pass control vs explicit "
+                      "decision grid per family, and where a float32 Picard solve of a CIFAR-sized state bottoms "
+                      "out (the stop rule).",
+    "ncsn_block_divergence": "Issue 41: why the paper authors' normalised-residual DEQ-NCSN block stops converging "
+                             "(trained on SSM-VR through the phantom K = 2 backward, not on DSM nor with the "
+                             "implicit backward): ρ, w, norms and gains, and the K = 2 against the exact SSM-VR loss "
+                             "every 5 steps.",
     "deq_solvers": "Forward solvers (Picard, Anderson, Broyden): iterations and time to tolerance, cold and "
                    "warm-started, on a trained DKEF block, a NICE-sized block and a slow rank-one block, at λ = 2 "
                    "and 1.1.",
