@@ -18,8 +18,11 @@ def test_decision_grid_has_its_arms_per_seed_in_its_run_directories(tmp_path):
     jobs = study.jobs("decision")
     four = {(f, a) for f in ("dkef", "nice", "ncsn") for a in ("deq_record", "deq_paper", "one_pass", "explicit")}
     three = {("vae", a) for a in ("deq_record", "one_pass", "explicit")}
-    assert {(j["family"], j["arm"]) for j in jobs} == four | three
-    assert len(jobs) == (len(four) + len(three)) * len(study.SEEDS)
+    spectral = {("ncsn", "deq_spectral"), ("ncsn", "one_pass_spectral")}
+    assert {(j["family"], j["arm"]) for j in jobs} == four | three | spectral
+    assert len(jobs) == (len(four) + len(three) + len(spectral)) * len(study.SEEDS)
+    ncsn = next(j for j in jobs if j["family"] == "ncsn" and j["arm"] == "one_pass_spectral")
+    assert "deq.norm=spectral" in ncsn["overrides"] and "deq.one_pass=true" in ncsn["overrides"]
     vae = next(j for j in jobs if j["family"] == "vae" and j["arm"] == "explicit")
     assert "deq=false" in vae["overrides"] and "log_likelihood.test_points=100" in vae["overrides"]
     one_pass = next(j for j in jobs if j["family"] == "nice" and j["arm"] == "one_pass")
