@@ -7,7 +7,7 @@ committed curves were made with (``paper.PAPER_DEQ`` / ``PAPER_STOP``), since th
 each family's block of record and the relative stop rule.
 """
 
-from benchmarks.lib.paper import PAPER_DEQ, PAPER_STOP
+from benchmarks.lib.paper import PAPER_DEQ, PAPER_NCSN_BLOCK, PAPER_STOP
 
 # name -> (overrides, Lightning optimiser steps per model iteration)
 GRIDS = {
@@ -31,13 +31,13 @@ GRIDS = {
         "variants": {
             "SSM-VR NCSN (RefineNet)": ["model.arch=refinenet"],
             "TwoRes-SSM-VR NCSN": ["deq=false", "depth=1"],
-            "DEQ-SSM-VR NCSN": ["deq=true", *PAPER_STOP],  # the paper's block is still ncsn_mnist's
+            "DEQ-SSM-VR NCSN": ["deq=true", *PAPER_NCSN_BLOCK, *PAPER_STOP],  # ncsn_mnist: the normalised block now
             # each conv of the DEQ map normalised by its operator norm: contracts at ≈ 0.08 at init, not 3e-4;
             # relative stopping tolerance 1e-5 (an absolute one meets float32's floor on large states: step_cost ncsn;
             # the default is relative 1e-4 now);
             # the exact implicit backward: with the phantom one (K = 2) this map's contraction rate rises in
             # training until the truncated SSM-VR loss parts from the real one (ncsn_phantom_bias.md)
-            "DEQ-SSM-VR NCSN (spectral norm)": ["deq=true", "deq.norm=spectral", "deq.stop_mode=rel",
+            "DEQ-SSM-VR NCSN (spectral norm)": ["deq=true", "deq.block=null", "deq.norm=spectral", "deq.stop_mode=rel",
                                                 "deq.tol=1e-5", "deq.backward=implicit"],
         },
         "metrics": [("test/fid", "FID", "{:.1f}"), ("test/dsm_loss", "test DSM loss", "{:.3f}"),

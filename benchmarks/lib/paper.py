@@ -7,7 +7,7 @@ prints them beside ours reads them from.
 - :data:`NCSN`: Table 5 (NCSN at the CIFAR-10 size);
 - :data:`VAE`: Table 1 (the SSM-VAE at the CIFAR-10 and CelebA sizes);
 - :data:`PAPER_DEQ`: the DEQ block and stop rule the paper's tables (and our committed reproductions of them)
-  were made with, pinned by the grids that reproduce them.
+  were made with, pinned by the grids that reproduce them; :data:`PAPER_NCSN_BLOCK` the NCSN's block and backward.
 """
 
 # The stop rule the committed paper-table results ran with: absolute per-sample residual ‖f(z) − z‖ ≤ 1e-5 (the
@@ -17,6 +17,10 @@ PAPER_STOP = ("deq.stop_mode=abs", "deq.tol=1e-5")
 # The paper's block (§3.2, W / (λ‖W‖_F), λ = 2) with that stop rule: the experiments' defaults now hold each
 # family's block of record (docs/deq.md), so a grid that reproduces a paper table pins this.
 PAPER_DEQ = ("deq.norm=frobenius", "deq.norm_lambda=2", *PAPER_STOP)
+# The paper's DEQ-ResBlock for the NCSN (App. D.4) with the phantom backward: ``experiment=ncsn_mnist`` now holds
+# the authors' normalised block with the implicit backward (its block of record), so the NCSN grids and the GPU
+# suite, whose committed rows ran the paper's block, pin this.
+PAPER_NCSN_BLOCK = ("deq.block=null", "deq.backward=phantom")
 
 # The paper's figures (Tables 2-4): (test SM loss, test LL[, Fisher div.], memory GB)
 DKEF_NICE = {
