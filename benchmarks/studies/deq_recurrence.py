@@ -130,15 +130,18 @@ the paper's Frobenius λ = 2 block is near-inert, below 10 %):
   the four couplings is 7.9 % (3.7 / 9.4 / 4.3 / 14.0 %) with val SM 943 against 897, and the trained maps
   contract at 0.21–0.32 whatever the bound, so the bound is not what keeps them near-inert; two layers inside
   the map (depth=2, spectral λ = 1.1) fall to 2.8 %. λ = 1.2 stays the record.
-- NCSN (ncsn_mnist, batch 32, 300 steps): no candidate reaches 10 %. The record is spectral λ = 1.5 with the
-  implicit backward, share 5.8 % (branch ratio 0.37, contraction 0.15, 5 iterations), 70× the paper block's
-  0.08 % (branch ratio 0.05, contraction 0.002); spectral λ = 2 measured 6.7 % with the phantom backward and
-  3.4 % with the implicit one (one seed each: the three spectral runs do not separate; the record takes the
-  tightest bound with the exact backward). The spectral blocks' val DSM (EMA 0.999 weights at 300 steps: 74 % of the average is the initial
-  weights) is 262–270 with either backward against 68 for the paper's block, so the gap is not the phantom
-  gradient's truncation; the decision grid runs the paper's block beside them at EMA 0.99. The authors'
-  normalised ResBlock (deq.block=normalized_residual) stopped converging at step ~59 (128 iterations, residual
-  5–13 from then on) and was stopped at step 109.
+- NCSN (ncsn_mnist, batch 32, 300 steps): the record is the authors' normalised ResBlock with the implicit
+  backward (deq.block=normalized_residual deq.backward=implicit), share 14.0 % (max 14.6 %), branch ratio 0.15,
+  contraction 0.79, 9 iterations, no cap hit, val DSM 72.9 (EMA 0.99). With the phantom K = 2 backward the same
+  block stopped converging at step ~59 (cap, residual 5–13) and was stopped at step 109: SSM-VR through the
+  truncated derivative drives its contraction rate past 1 (benchmarks/results/ncsn_block_divergence.md). Every
+  weight-bounded block stayed below 10 %: spectral λ = 1.5 implicit 5.8 % (branch ratio 0.37, contraction
+  0.15), spectral λ = 2 6.7 % (phantom) and 3.4 % (implicit); the paper's block 0.08 % (branch ratio 0.05,
+  contraction 0.002). The spectral rows' val DSM (262–270 against the paper block's 68) is the EMA at 0.999:
+  74 % of the averaged weights that validate a 300-step run are the initial ones; the same spectral λ = 1.5 run
+  validates at 74 with EMA 0.99 (its decision_short row, deq_spectral seed 0).
+- Shares at the end of the committed protocols (protocol grid, seed 0): DKEF 34.7 %, NICE 16.6 % (1000 steps;
+  19.6 / 22.7 / 8.4 / 15.8 % per coupling), SSM-VAE 33.4 % (20 000 steps); the NCSN's was not run.
 - DKEF frobenius rows ran under the former stop rule (absolute 1e-5); every other row under rel 1e-4."""
 
 
