@@ -1,7 +1,7 @@
 """How much each family's DEQ block recurs, and the DEQ-vs-explicit decision against a one-pass control.
 
 The recurrence share of a DEQ block is ‖z* − φ(0; p)‖ / ‖z*‖: what its fixed point adds to one explicit pass of
-the same map (src/deq/diagnostics.py). Two grids, each job one ``python -m src.train`` process with one torch
+the same map (src/deq/diagnostics.py). Three grids, each job one ``python -m src.train`` process with one torch
 thread, in its own run directory ``<work>/<grid>/<family>/<arm>_seed<S>/`` (console output in ``stdout.log``,
 Hydra's log in ``train.log``), ``--parallel`` at once (``benchmarks.lib.jobs.run_parallel``); a job whose
 ``metrics.json`` exists is reused (resumable), and one whose ``pid`` file names a live process (another driver's)
@@ -10,9 +10,11 @@ is left alone:
 - ``candidates``: short trainings of each family with candidate DEQ blocks (the paper's Frobenius λ = 2, spectral
   normalisation, smaller λ); the recurrence share, branch ratio, contraction rate and iterations at the last
   step's validation. Chooses each family's DEQ block of record.
-- ``decision``: DKEF RedWine (SM) and NICE (SSM), 3 seeds of four arms: the DEQ of record, the paper's Frobenius
-  DEQ, the one-pass control of the DEQ of record (``deq.one_pass=true``: z* replaced by φ(0; p), trained as an
-  explicit network) and the explicit baseline; test losses with the share and iterations beside each row.
+- ``decision``: DKEF RedWine (SM), NICE (SSM), the SSM-VAE and the NCSN on MNIST, 3 seeds of each arm: the DEQ
+  of record, the paper's Frobenius DEQ (not the VAE), the one-pass control of the DEQ of record
+  (``deq.one_pass=true``: z* replaced by φ(0; p), trained as an explicit network) and the explicit baseline
+  (TwoRes for the NCSN; for it also the spectral block and its one-pass control); each family's test figures
+  (:data:`DECISION_METRICS`) with the share and iterations beside each row.
 - ``protocol``: each family's default DEQ run (its experiment with ``deq=true``: the block of record) at the
   experiment's own length and validation schedule, seed 0, no test: the share at the end of the committed protocol.
 - ``stoprule``: where Picard on a CIFAR-sized float32 state bottoms out, and the iterations each stop rule needs.
@@ -245,8 +247,8 @@ def collect(job: dict, work: Path) -> dict:
                 row[f"{stage}/{key}_blocks"] = vals
     for key in ("test/sm_loss", "test/ssm_loss", "test/log_likelihood", "test/log_likelihood_stderr", "test/fid",
                 "test/fid_bootstrap_sd", "test/fid_n_samples", "test/white_fraction", "test/white_fraction_real",
-                "test/dsm_loss", "test/ssm_vr_loss", "test/score_ssm_loss", "val/sm_loss", "val/dsm_loss", "val/ssm_vr_loss", "val/ssm_loss",
-                "profile/deq_iterations_mean", "profile/deq_hit_cap_count", "profile/time_per_step_s"):
+                "test/dsm_loss", "test/ssm_vr_loss", "test/score_ssm_loss", "val/sm_loss", "val/dsm_loss",
+                "val/ssm_vr_loss", "val/ssm_loss", "profile/deq_iterations_mean", "profile/deq_hit_cap_count", "profile/time_per_step_s"):
         if key in m:
             row[key] = m[key]
     return row
