@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -146,42 +147,48 @@ def test_fid_of_features_is_the_metrics_fid(one_thread):
     assert ours == pytest.approx(frechet(*sample_stats(x1), *sample_stats(x2)), rel=1e-6)
 
 
+class ImageData:
+    """The datamodule side of the FID metric: its test images, already pixels."""
+
+    is_image = True
+
+    def __init__(self, images: torch.Tensor):
+        self.images = images
+
+    def split_tensor(self, split, n):
+        return self.images[:n]
+
+    def to_pixels(self, x):
+        return x
+
+
+class OneProcessSampler:
+    """The module side of the FID metric, in one process: ``sample(k, seed)`` draws its generated images."""
+
+    trainer = SimpleNamespace(world_size=1, global_rank=0)
+    device = torch.device("cpu")
+
+    def __init__(self, sample):
+        self.sample_pixels = sample
+
+
 def test_fid_metric_reports_the_same_fid_with_and_without_its_bootstrap(one_thread):
     """model.metrics.fid.bootstrap keeps the features and computes the FID from them (each image through the
     feature network once): the same test/fid as the streamed torchmetrics sums, for the same samples."""
-    from types import SimpleNamespace
-
     from src.metrics.fid import FID
 
     gen = torch.Generator().manual_seed(0)
-    real_images = torch.rand(60, 1, 28, 28, generator=gen)
-    calls = []
-
-    class Data:
-        is_image = True
-
-        def split_tensor(self, split, n):
-            return real_images[:n]
-
-        def to_pixels(self, x):
-            return x
-
-    class Module:
-        trainer = SimpleNamespace(world_size=1, global_rank=0)
-        device = torch.device("cpu")
-
-        def sample_pixels(self, k, seed):
-            calls.append(k)
-            return torch.rand(k, 1, 28, 28, generator=torch.Generator().manual_seed(seed)) ** 2
-
+    data = ImageData(torch.rand(60, 1, 28, 28, generator=gen))
+    module = OneProcessSampler(
+        lambda k, seed: torch.rand(k, 1, 28, 28, generator=torch.Generator().manual_seed(seed)) ** 2)
     extractor = MeanPool()
     results = {}
     for boot in (0, 20):
         metric = FID(n_samples=50, batch_size=16, bootstrap=boot)
         object.__setattr__(metric, "_fid", build_fid("mnist", feature=extractor))
-        metric.setup(Module(), Data())
+        metric.setup(module, data)
         extractor.calls = 0
-        results[boot] = metric.compute(Module(), "test")
+        results[boot] = metric.compute(module, "test")
         assert extractor.calls == 8  # 4 batches of real and 4 of generated images, each extracted once
     assert results[20]["test/fid"] == pytest.approx(results[0]["test/fid"], rel=1e-5)
     assert results[20]["test/fid_bootstrap_sd"] > 0 and "test/fid_bootstrap_sd" not in results[0]
@@ -373,36 +380,22 @@ def test_importing_the_metrics_does_not_import_torchvision():
 def test_fid_metric_reports_the_white_out_of_generated_and_real_images(one_thread):
     """test/white_fraction counts the generated pixels above 0.99 (the white-out of young score networks),
     test/white_fraction_real the real ones: exact counts on images built with a known number of white pixels."""
-    from types import SimpleNamespace
-
     from src.metrics.fid import FID
 
     real_images = torch.zeros(40, 1, 28, 28)
     real_images.view(40, -1)[:, :49] = 1.0  # 49 of 784 pixels white: 1/16
     real_images.view(40, -1)[:, 49:60] = 0.99  # not above the threshold
 
-    class Data:
-        is_image = True
+    def half_white(k, seed):
+        x = torch.full((k, 1, 28, 28), 0.5)
+        x.view(k, -1)[:, :392] = 0.995  # half of every generated image white
+        return x
 
-        def split_tensor(self, split, n):
-            return real_images[:n]
-
-        def to_pixels(self, x):
-            return x
-
-    class Module:
-        trainer = SimpleNamespace(world_size=1, global_rank=0)
-        device = torch.device("cpu")
-
-        def sample_pixels(self, k, seed):
-            x = torch.full((k, 1, 28, 28), 0.5)
-            x.view(k, -1)[:, :392] = 0.995  # half of every generated image white
-            return x
-
+    data, module = ImageData(real_images), OneProcessSampler(half_white)
     for boot in (0, 10):
         metric = FID(n_samples=30, batch_size=8, bootstrap=boot)
         object.__setattr__(metric, "_fid", build_fid("mnist", feature=MeanPool()))
-        metric.setup(Module(), Data())
-        out = metric.compute(Module(), "test")
+        metric.setup(module, data)
+        out = metric.compute(module, "test")
         assert out["test/white_fraction"] == pytest.approx(0.5, abs=1e-12)
         assert out["test/white_fraction_real"] == pytest.approx(1 / 16, abs=1e-12)
