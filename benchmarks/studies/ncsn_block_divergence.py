@@ -29,10 +29,9 @@ import time
 
 import torch
 import torch.nn.functional as F
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-from benchmarks.lib.results import ROOT, machine_facts, note_lines, rendered, result_options, script_command
+from benchmarks.lib.config import train_config
+from benchmarks.lib.results import machine_facts, note_lines, rendered, result_options, script_command
 from src.deq.maps import instance_norm
 from src.deq.normalization import conv_spectral_normalize
 from src.reports.tables import markdown_table, write_results
@@ -89,9 +88,7 @@ def use_w_variant(block, variant: str | None) -> None:
 
 
 def compose_cfg(overrides: list[str]):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=[*BASE, *overrides])
+    return train_config([*BASE, *overrides])
 
 
 def conv_operator_norm(kernel: torch.Tensor, hw: tuple[int, int], iters: int = 30) -> float:

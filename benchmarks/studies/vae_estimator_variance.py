@@ -27,10 +27,9 @@ import time
 
 import lightning.pytorch as L
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 
-from benchmarks.lib.results import ROOT, rendered, result_options
+from benchmarks.lib.config import train_config
+from benchmarks.lib.results import rendered, result_options
 from src.models.vae import ConditionalScore
 from src.objectives.ssm import ssm, ssm_vr
 from src.reports.tables import markdown_table, write_results
@@ -47,9 +46,7 @@ TRAININGS = {  # the trainings the modules come from (overrides of experiment=va
 
 
 def compose_cfg(overrides: list[str]):
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base="1.3"):
-        return compose(config_name="train", overrides=["experiment=vae_mnist", "logger=none", *overrides])
+    return train_config(["experiment=vae_mnist", "logger=none", *overrides])
 
 
 def clean(overrides: list[str], cfg) -> list[str]:
