@@ -320,7 +320,7 @@ CLAIMS = (("the recurrence helps: the DEQ of record beats its one-pass control",
           ("the DEQ of record beats the paper's DEQ", "deq_record", "deq_paper"))
 
 
-def test_loss(row: dict) -> float | None:
+def decision_figure(row: dict) -> float | None:
     """The row's first decision figure (:data:`DECISION_METRICS`), shown in the grid's table."""
     return next((row[k] for k, _, _ in DECISION_METRICS.get(row["family"], ()) if k in row), None)
 
@@ -363,7 +363,7 @@ def markdown(section: dict, grid: str) -> str:
              "contraction | iterations | hit cap | val loss | test figure |"), "|" + "---|" * 11]
     for r in rows:
         val = next((r[k] for k in ("val/sm_loss", "val/ssm_loss", "val/ssm_vr_loss", "val/dsm_loss") if k in r), None)
-        test = test_loss(r)
+        test = decision_figure(r)
         lines.append("| " + " | ".join(fmt(x) for x in (
             r["family"], r["arm"], r["seed"], r.get("val/deq_recurrence_share"), r.get("val/deq_recurrence_share_max"),
             r.get("val/deq_branch_ratio"), r.get("val/deq_contraction_rate"), r.get("val/deq_iterations"),
