@@ -40,6 +40,14 @@ def test_every_results_file_is_linked_with_a_command_and_what_it_shows():
     assert "../shared" not in text and "/work/" not in text  # data roots are shown as <data root>
 
 
+def test_no_committed_result_names_a_path_of_the_machine_that_made_it():
+    """Results record commands and machine facts, never where the data or the checkout lay on that machine."""
+    for f in sorted(p for p in RESULTS.rglob("*") if p.suffix in (".json", ".md")):
+        text = f.read_text()
+        for path in ("../shared", "/work/", "/home/", "/tmp/"):
+            assert path not in text, f"{f.relative_to(RESULTS)} names {path!r}: show data roots as <data root>"
+
+
 def test_commands_come_from_the_json_meta_then_the_table(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps({"meta": {"command": "python benchmarks/x.py --root /abs/data"}}))
     (tmp_path / "b.json").write_text(json.dumps({"meta": {"commands": ["python p0", "python p1"]}}))

@@ -205,7 +205,7 @@ def cpu_cell(r: dict) -> str:
 def render(res: dict) -> str:
     m = res["meta"]
     lines = ["# AIS against the exact log p(x): does the estimate stay below the truth?", "",
-             "Commands:", "", *["    " + re.sub(r"--root \S+", "--root <data dir>", c) for c in m["commands"]], "",
+             "Commands:", "", *["    " + re.sub(r"--root (?:<[^>]*>|\S+)", "--root <data dir>", c) for c in m["commands"]], "",
              f"Machine: {m['machine']}", ""]
     q = res.get("quadrature")
     if q:
