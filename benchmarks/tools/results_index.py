@@ -46,6 +46,7 @@ REBUILT_BY = {
     "ncsn_memory_cause": "benchmarks.studies.ncsn_memory_cause --render",
     "ncsn_phantom_bias": "benchmarks.studies.ncsn_phantom_bias --render",
     "ncsn_sampler_drift": "benchmarks.studies.ncsn_sampler_drift --render",
+    "ncsn_white_out": "benchmarks.studies.ncsn_sampler_drift --render --name ncsn_white_out",
     "nice": "benchmarks.tools.run_grid nice --render",
     "objectives": "benchmarks.tools.objectives_bench --render",
     "profile_step": "benchmarks.tools.profile_step --render",
@@ -118,6 +119,9 @@ SHOWS = {
                          "implicit one, and the learned map's contraction rate.",
     "ncsn_sampler_drift": "Annealed Langevin trajectories vs noisy data per noise level: the network's predicted "
                           "noise and the pixel statistics along the sampler.",
+    "ncsn_white_out": "Issue 41: why the decision grid's 300-step NCSNs white out — the same per-level trajectory "
+                      "diagnostics on eight of its checkpoints (DEQ of record, one-pass, paper DEQ, TwoRes), "
+                      "from the sampler's U(0, 1) start and from noisy test images.",
     "nice": "Paper Table 4 and a figure: NICE on MNIST, SSM vs DEQ-SSM (3 seeds) and the MLE / CP / DSM "
             "baselines — test SM loss, LL, bits/dim, saved memory, time; the targets checked.",
     "nice_softplus_injection": "The NICE grid as committed before the linear DEQ injection (softplus "
