@@ -1,9 +1,9 @@
 """A callback for the DDP tests (tests/test_ddp.py): what one rank saw and did in its first training batch.
 
 Added to a run as ``+callbacks.ddp_probe._target_=tests.ddp_probe.GradientProbe +callbacks.ddp_probe.path=DIR``;
-writes ``DIR/rank<r>.pt`` with the batch, the global torch RNG state before the step, and for each optimiser
-step of that batch the module's state before the update and the gradients the optimiser was given (under DDP:
-after the all-reduce). :func:`replay_gradients` recomputes one rank's gradients of optimiser step ``k`` in one
+writes ``DIR/rank<r>.pt`` with the batch, the global torch RNG state before the step, the rank's intra-op thread
+count, and for each optimiser step of that batch the module's state before the update and the gradients the
+optimiser was given (under DDP: after the all-reduce). :func:`replay_gradients` recomputes one rank's gradients of optimiser step ``k`` in one
 process from what the probe saved.
 """
 
@@ -38,6 +38,7 @@ class GradientProbe(Callback):
         if self.record is None:
             self.record = {"batch": _cpu(batch), "rng": torch.get_rng_state(), "steps": [],
                            "world_size": trainer.world_size, "rank": trainer.global_rank,
+                           "threads": torch.get_num_threads(),
                            "warm_start": _warm_starts(pl_module)}
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
