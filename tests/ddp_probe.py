@@ -3,8 +3,8 @@
 Added to a run as ``+callbacks.ddp_probe._target_=tests.ddp_probe.GradientProbe +callbacks.ddp_probe.path=DIR``;
 writes ``DIR/rank<r>.pt`` with the batch, the global torch RNG state before the step, the rank's intra-op thread
 count, and for each optimiser step of that batch the module's state before the update and the gradients the
-optimiser was given (under DDP: after the all-reduce). :func:`replay_gradients` recomputes one rank's gradients of optimiser step ``k`` in one
-process from what the probe saved.
+optimiser was given (under DDP: after the all-reduce). :func:`replay_gradients` recomputes one rank's
+gradients of optimiser step ``k`` in one process from what the probe saved.
 """
 
 from __future__ import annotations
