@@ -18,6 +18,7 @@ share of pixels above ``src.metrics.fid.WHITE`` (0.99), and with ``--bootstrap B
     python -m benchmarks.studies.ncsn_langevin_step --render   # rebuild the markdown from the JSON
     python -m benchmarks.studies.ncsn_langevin_step --merge A.json B.json [--name N]   # settings run side by side
         [--keep-samples DIR --grid-step-lr ε --grid-n-steps-each T]   # + the grid of a kept setting
+        [--keep-samples DIR --paired-bootstrap 200]   # + each update's FID difference from Euler's, paired
     python -m benchmarks.studies.ncsn_langevin_step --combine A.json B.json --labels a b --name N [--note F]
         # results of different checkpoints, one section each
 
@@ -117,6 +118,12 @@ def render_body(res: dict, commands: bool = True) -> list[str]:
     elif meta.get("bootstrap_draws"):
         lines += [(f"± : the standard deviation of the FID over {meta['bootstrap_draws']} bootstrap resamples of the "
                    "setting's samples (test-image statistics fixed), the sampling noise of one FID at this n."), ""]
+    for r in records:
+        if "fid_diff" in r:
+            lines += [(f"{r['update']} − euler at ε {r['step_lr']:g}, T = {r['n_steps_each']}: ΔFID = "
+                       f"{r['fid_diff']:+.1f} ± {r['fid_diff_boot_sd']:.1f} (paired bootstrap, "
+                       f"{meta['paired_bootstrap_draws']} draws: the same resampled chains — same start and noise "
+                       "draws under both rules — and test images for both FIDs)."), ""]
     lines += ["Sampling seconds per setting: " + ", ".join(
         f"{r['update'] + ' ' if with_update else ''}ε {r['step_lr']:g} T {r['n_steps_each']}: {r['seconds']:.0f}"
         for r in records), ""]
@@ -169,10 +176,43 @@ def bootstrap_sd(res: dict, folder: Path, draws: int, root: str | None, trust: b
     res["meta"]["bootstrap_draws"] = draws
 
 
+def paired_bootstrap(res: dict, folder: Path, draws: int, root: str | None, trust: bool = False) -> None:
+    """Each non-Euler setting's FID minus the Euler setting's at the same ε and T (``fid_diff``) and its noise
+    (``fid_diff_boot_sd``): the standard deviation of the difference over ``draws`` bootstrap replicates that
+    resample the test images and the chains (sample i of both rules shares its start and noise draws) with the
+    same indices for both FIDs (:func:`src.metrics.fid.fid_of_features` on kept samples)."""
+    import torch
+
+    from src.metrics.fid import build_fid, fid_of_features
+    from src.runs.load import load_module
+
+    _, dm, _, _ = load_module(res["meta"]["checkpoint"], [f"data.root={root}"] if root else [],
+                              **({"trust": True} if trust else {}))
+    fid = build_fid("mnist", reset_real_features=False)
+    with torch.no_grad():
+        real = fid.inception(dm.to_pixels(dm.split_tensor("test", res["meta"]["n"])).float()).double()
+    for r in res["settings"].values():
+        update, lr, t = r.get("update", "euler"), r["step_lr"], r["n_steps_each"]
+        paths = folder / samples_file(lr, t, update), folder / samples_file(lr, t)
+        if update == "euler" or key_of(lr, t) not in res["settings"] or not all(p.exists() for p in paths):
+            continue
+        with torch.no_grad():
+            other, euler = (fid.inception(torch.load(p, weights_only=True)).double() for p in paths)
+        g = torch.Generator().manual_seed(0)
+        diffs = []
+        for _ in range(draws):
+            i = torch.randint(len(real), (len(real),), generator=g)
+            j = torch.randint(len(other), (len(other),), generator=g)
+            diffs.append(float(fid_of_features(real[i], other[j]) - fid_of_features(real[i], euler[j])))
+        r["fid_diff"] = float(fid_of_features(real, other) - fid_of_features(real, euler))
+        r["fid_diff_boot_sd"] = float(torch.tensor(diffs, dtype=torch.float64).std())
+    res["meta"]["paired_bootstrap_draws"] = draws
+
+
 def combine(parts: dict[str, dict], title: str, note: str | None) -> dict:
     """Results of different checkpoints side by side (each keeps its own protocol and commands)."""
     return {"meta": {"title": title, "note": note,
-                     "commands": [c for p in parts.values() for c in p["meta"].get("commands", [p["meta"]["command"]])]
+                     "commands": [c for p in parts.values() for c in p["meta"].get("commands") or [p["meta"]["command"]]]
                      + [script_command("benchmarks.studies.ncsn_langevin_step")]},
             "checkpoints": parts}
 
@@ -197,6 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--bootstrap", type=int, default=0,
                     help="FID's bootstrap standard deviation over this many draws (when sampling, or with --merge "
                          "and --keep-samples)")
+    ap.add_argument("--paired-bootstrap", type=int, default=0,
+                    help="with --merge and --keep-samples: each other update's FID difference from the Euler step's "
+                         "and its paired bootstrap sd over this many draws")
     ap.add_argument("--train-command", default="", help="recorded in the results: how the checkpoint was trained")
     ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
     ap.add_argument("--out", default=str(RESULTS))
@@ -231,6 +274,8 @@ def main(argv: list[str] | None = None) -> None:
             res["meta"]["grid"] = {"step_lr": lr, "n_steps_each": t, "file": f"{args.name}_samples.png"}
         if args.keep_samples and args.bootstrap:
             bootstrap_sd(res, Path(args.keep_samples), args.bootstrap, args.root, args.trust_checkpoint)
+        if args.keep_samples and args.paired_bootstrap:
+            paired_bootstrap(res, Path(args.keep_samples), args.paired_bootstrap, args.root, args.trust_checkpoint)
         res["meta"]["commands"].append(script_command("benchmarks.studies.ncsn_langevin_step"))
         write_results(args.out, args.name, res, render)
         return
