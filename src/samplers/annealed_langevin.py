@@ -7,8 +7,9 @@ score s(x, i):
     x ← x + αᵢ·s(x, i) + √(2αᵢ)·z,   z ~ N(0, I)
 
 — the Euler–Maruyama step of dx = s(x) dt + √2 dW with time step αᵢ, whose stationary law is the one with
-score s. This is the step of the reference code (NCSN's and NCSNv2's ``anneal_Langevin_dynamics``, and the
-DEQ authors' NCSN), and every published step size (ε = 2·10⁻⁵, T = 100 for NCSN on CIFAR-10) is in it.
+score s. This is the step of the reference code (NCSN's and NCSNv2's ``anneal_Langevin_dynamics``; the DEQ
+authors' NCSN takes the same αᵢ and this step at each level's first step only, see ``update`` below), and every
+published step size (ε = 2·10⁻⁵, T = 100 for NCSN on CIFAR-10) is in it.
 The NCSN paper's Algorithm 1 writes the same update as x + (α/2)·s + √α·z: its α is twice the code's, so
 ε here is half the α_paper·σ_L²/σᵢ² of that pseudo-code. (Before this was settled the project took the
 paper's form with ε in place of α_paper, i.e. half the reference's step for the same number.)
