@@ -227,3 +227,22 @@ def test_resume_with_ema_matches_an_uninterrupted_run(tmp_path, shared_data):
     moved = max((a["state_dict"][k] - a["current_model_state"][k]).abs().max().item() for k in a["state_dict"]
                 if a["state_dict"][k].is_floating_point())
     assert moved > 1e-4  # the average differs from the last weights: the check above compares both
+
+
+def test_sampling_update_is_composed_and_reaches_the_sampler(tmp_path):
+    """model.sampling.update: euler by default; authors changes the samples only from a level's second step on
+    (T = 1: the same samples); an unknown rule is refused with the allowed ones."""
+    base = ["experiment=ncsn_mnist", "logger=none", "model.ngf=4", "model.noise.num_classes=3"]
+    assert compose_train(base, tmp_path).model.sampling["update"] == "euler"  # .update: the dict method
+
+    def samples(update, t):
+        cfg = compose_train([*base, f"model.sampling.update={update}", f"model.sampling.n_steps_each={t}"], tmp_path)
+        torch.manual_seed(0)
+        module = build(cfg.model)
+        assert module.sampling["update"] == update
+        return module.sample(2, torch.Generator().manual_seed(1))
+
+    assert torch.equal(samples("authors", 1), samples("euler", 1))
+    assert not torch.allclose(samples("authors", 2), samples("euler", 2))
+    with pytest.raises(ValueError, match="model.sampling.update='bdf': choose one of euler, authors"):
+        build(compose_train([*base, "model.sampling.update=bdf"], tmp_path).model)

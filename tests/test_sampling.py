@@ -18,6 +18,12 @@ small (a = 1 − 5·10⁻⁴ at the last) that the 100 steps do not forget the p
 the known bias of NCSN's short chains, asserted here to lie within 4 % of s². With enough steps per level
 the chain reaches the last level's perturbed law N(μ, s² + σ_L²) up to the Euler step's stationary
 variance v_L/(1 − α_L/(2v_L)) (test_long_chains_reach_the_perturbed_data_distribution).
+
+``update="authors"`` (the DEQ paper authors' code's step): each level's first step is the step above, each later
+one x + (2/3)·α·s + nₖ − nₖ₋₁/3. For N(0, v) at one level that is the ARMA(1,1) x' = a·x + e + θ·e_prev,
+a = 1 − (2/3)·α/v, θ = −1/3, Var e = 2α, of stationary variance 2α·(1 + 2aθ + θ²)/(1 − a²) (→ (2/3)·v as
+α → 0); the Euler step's is v/(1 − α/(2v)). Both are asserted against many independent chains at one level, and
+the ARMA formula itself against the exact covariance recursion of (x, e_prev).
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ import pytest
 import torch
 
 from src.models.ncsn import geometric_sigmas
-from src.samplers.annealed_langevin import annealed_langevin
+from src.samplers.annealed_langevin import annealed_langevin, langevin_step_sizes
 
 MU, S = 0.3, 0.2
 N, D = 10_000, 4
@@ -169,3 +175,113 @@ def test_on_level_end_sees_each_level_of_the_chain():
         assert abs(mean - m) < 5 * math.sqrt(v / (N * D)), i
         assert abs(var - v) < 5 * v * math.sqrt(2 / (N * D - 1)), i
     assert seen[-1][1] == x.mean().item()
+
+
+def euler_stationary_variance(alpha, v):
+    return v / (1 - alpha / (2 * v))
+
+
+def authors_stationary_variance(alpha, v):
+    """The ARMA(1,1) x' = a·x + e + θ·e_prev's stationary variance, a = 1 − (2/3)·α/v, θ = −1/3, Var e = 2α."""
+    a, theta = 1 - (2 / 3) * alpha / v, -1 / 3
+    return 2 * alpha * (1 + 2 * a * theta + theta**2) / (1 - a * a)
+
+
+@pytest.mark.parametrize("alpha_over_v", [0.1, 1e-4])
+def test_the_authors_stationary_variance_is_the_exact_covariance_recursions_limit(alpha_over_v):
+    """No sampling: the covariance of (x, e_prev) under x' = a·x + e − e_prev/3 iterated to its fixed point
+    equals the closed form, which tends to (2/3)·v as α/v → 0 (a colder law, p^{3/2}), not to v."""
+    v = 1.0
+    alpha = alpha_over_v * v
+    a = 1 - (2 / 3) * alpha / v
+    vx, cxe, ve = 0.0, 0.0, 0.0
+    for _ in range(int(40 / alpha_over_v)):
+        vx, cxe, ve = a * a * vx + ve / 9 - (2 * a / 3) * cxe + 2 * alpha, 2 * alpha, 2 * alpha
+    assert vx == pytest.approx(authors_stationary_variance(alpha, v), rel=1e-10)
+    if alpha_over_v < 1e-3:
+        assert authors_stationary_variance(alpha, v) == pytest.approx(2 / 3 * v, rel=1e-3)
+        assert euler_stationary_variance(alpha, v) == pytest.approx(v, rel=1e-3)
+
+
+@pytest.mark.parametrize("update,closed_form", [("euler", euler_stationary_variance),
+                                                ("authors", authors_stationary_variance)])
+def test_each_update_reaches_its_stationary_variance_at_one_level(update, closed_form):
+    """One level (σ list of length 1), 40 000 independent chains, T = 300 steps with α/v = 0.1 (a^(2T) < 1e-17):
+    the final variance is each rule's closed form within 5 standard errors v·√(2/(n − 1)) (3.5 %). The rules'
+    values 1.053·v (Euler), 0.759·v (authors), and 1.55·v for the authors' 2/3 drift with its noise correlation
+    dropped, are ≥ 8 standard errors apart: a swapped rule or a lost correlation fails."""
+    sigma, n = 0.1, 40_000
+    v = S**2 + sigma**2
+    eps = 0.1 * v  # a single level: α = ε
+    sigmas = torch.tensor([sigma], dtype=torch.float64)
+    g = torch.Generator().manual_seed(11)
+    x = annealed_langevin(gaussian_score(sigmas), torch.rand(n, 1, generator=g, dtype=torch.float64), sigmas,
+                          n_steps_each=300, step_lr=eps, update=update, generator=g)
+    target = closed_form(eps, v)
+    se = target * math.sqrt(2 / (n - 1))
+    assert abs(x.mean().item() - MU) < 5 * math.sqrt(target / n)
+    assert abs(x.var().item() - target) < 5 * se
+    a = 1 - (2 / 3) * eps / v
+    others = {euler_stationary_variance(eps, v), authors_stationary_variance(eps, v), 2 * eps / (1 - a * a)}
+    assert all(abs(other - target) > 8 * se for other in others - {target})
+
+
+def authors_reference(score_fn, x0, sigmas, n_steps_each, step_lr, generator):
+    """The authors' loop as their code writes it (x_old and n_old assigned after the update), exact thirds."""
+    sig = sigmas.tolist()
+    x, x_old, n_old = x0.clone(), None, None
+    for i, s in enumerate(sig):
+        alpha = step_lr * (s / sig[-1]) ** 2
+        labels = torch.full((x.shape[0],), i, dtype=torch.long)
+        for step in range(n_steps_each):
+            noise = math.sqrt(2 * alpha) * torch.randn(x.shape, generator=generator, dtype=x.dtype)
+            if step == 0:
+                x_new = x + alpha * score_fn(x, labels) + noise
+            else:
+                x_new = (2 / 3) * alpha * score_fn(x, labels) + (4 / 3) * x - (1 / 3) * x_old + noise - n_old / 3
+            x_old, n_old, x = x_new, noise, x_new
+    return x
+
+
+def test_the_authors_update_is_their_loop_and_starts_every_level_with_the_plain_step():
+    """Against the literal loop over 3 levels × 4 steps (float64 rounding apart: their (4/3)·x − (1/3)·x_old);
+    with T = 1 every step is a level's first, so the rule is the Euler step bit for bit; with T = 2 it is not."""
+    sigmas = geometric_sigmas(1.0, 0.1, 3)
+    x0 = torch.rand(500, 3, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+
+    def run(update, t, seed=7):
+        return annealed_langevin(gaussian_score(sigmas), x0, sigmas, n_steps_each=t, step_lr=1e-3, update=update,
+                                 generator=torch.Generator().manual_seed(seed))
+
+    ref = authors_reference(gaussian_score(sigmas), x0, sigmas, 4, 1e-3, torch.Generator().manual_seed(7))
+    assert torch.allclose(run("authors", 4), ref, rtol=0, atol=1e-12)
+    assert torch.equal(run("authors", 1), run("euler", 1))
+    assert (run("authors", 2) - run("euler", 2)).abs().max() > 1e-3
+
+
+def euler_before_the_update_option(score_fn, x0, sigmas, n_steps_each, step_lr, generator):
+    """The sampler's loop as it was before ``update`` existed (no denoising)."""
+    alphas = langevin_step_sizes(torch.as_tensor(sigmas, dtype=torch.float64), step_lr).tolist()
+    x = x0.clone()
+    for i, alpha in enumerate(alphas):
+        labels = torch.full((x.shape[0],), i, dtype=torch.long)
+        for _ in range(n_steps_each):
+            z = torch.randn(x.shape, generator=generator, dtype=x.dtype)
+            x = x + alpha * score_fn(x, labels) + (2 * alpha) ** 0.5 * z
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_euler_update_is_unchanged_bit_for_bit(dtype):
+    sigmas = geometric_sigmas(1.0, 0.01, 4)
+    x0 = torch.rand(64, 5, generator=torch.Generator().manual_seed(8), dtype=dtype)
+    before = euler_before_the_update_option(gaussian_score(sigmas), x0, sigmas, 6, 5e-5, torch.Generator().manual_seed(9))
+    for kwargs in ({}, {"update": "euler"}):
+        now = annealed_langevin(gaussian_score(sigmas), x0, sigmas, n_steps_each=6, step_lr=5e-5,
+                                generator=torch.Generator().manual_seed(9), **kwargs)
+        assert torch.equal(now, before)
+
+
+def test_an_unknown_update_is_refused_with_the_allowed_ones():
+    with pytest.raises(ValueError, match="update='bdf': choose one of euler, authors"):
+        annealed_langevin(lambda x, i: x, torch.zeros(2, 1), [1.0, 0.1], update="bdf")

@@ -45,6 +45,7 @@ REBUILT_BY = {
     "ncsn_memory": "benchmarks.tools.step_cost ncsn --render",
     "ncsn_memory_cause": "benchmarks.studies.ncsn_memory_cause --render",
     "ncsn_phantom_bias": "benchmarks.studies.ncsn_phantom_bias --render",
+    "ncsn_sampler_update": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_sampler_update",
     "ncsn_sampler_drift": "benchmarks.studies.ncsn_sampler_drift --render",
     "ncsn_white_out": "benchmarks.studies.ncsn_sampler_drift --render --name ncsn_white_out",
     "nice": "benchmarks.tools.run_grid nice --render",
@@ -100,6 +101,9 @@ SHOWS = {
                    "RSS, s/step beside their code's, profile), and Table 5's setting (score graph and step).",
     "ncsn_memory_cause": "Score-graph memory of deqsm's NCSN variants and of the authors' code's networks: is the "
                          "architecture the cause of the 0.5 vs 0.28 memory-ratio gap?",
+    "ncsn_sampler_update": "The DEQ authors' Langevin update (`model.sampling.update=authors`: 2/3 drift, MA(1) "
+                           "noise) against the Euler step on two NCSN DEQ-of-record checkpoints: FID of 500 samples "
+                           "± bootstrap sd and white-out, same seed for both rules.",
     "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "
                          "steps and wall time for RefineNet, TwoRes, DEQ and DEQ (spectral norm); sample grids."
                          " Measured before issue 29 (the old half Langevin step).",

@@ -28,10 +28,10 @@ from src.objectives.conditional import noise_conditional
 from src.objectives.registry import get_objective
 from src.runs import progress
 from src.runs.rng import seeded_rng
-from src.samplers.annealed_langevin import annealed_langevin
+from src.samplers.annealed_langevin import UPDATES, annealed_langevin
 
 TRAIN_LOSSES = ("dsm", "ssm_vr", "ssm")
-SAMPLING_DEFAULTS = {"n_steps_each": 100, "step_lr": 2e-5, "denoise": False}
+SAMPLING_DEFAULTS = {"n_steps_each": 100, "step_lr": 2e-5, "denoise": False, "update": "euler"}
 VAL_CONTRACTION_POINTS = 16  # validation images for val/deq_contraction_rate (one per level, cycled)
 
 
@@ -79,6 +79,8 @@ class NCSNLitModule(ScoreMatchingModule):
         if unknown:
             raise ValueError(f"model.sampling: unknown key(s) {sorted(unknown)}; valid: {', '.join(SAMPLING_DEFAULTS)}")
         self.sampling = {**SAMPLING_DEFAULTS, **(sampling or {})}
+        if self.sampling["update"] not in UPDATES:
+            raise ValueError(f"model.sampling.update={self.sampling['update']!r}: choose one of {', '.join(UPDATES)}")
         self.n_samples_grid, self.val_seed = int(n_samples_grid), int(val_seed)
 
     @property
@@ -169,7 +171,8 @@ class NCSNLitModule(ScoreMatchingModule):
                                 self.net.sigmas.numel() * steps) as advance:
                 return annealed_langevin(self.net.score, x0, self.net.sigmas.to(self.dtype), n_steps_each=steps,
                                          step_lr=float(self.sampling["step_lr"]),
-                                         denoise=bool(self.sampling["denoise"]), generator=generator,
+                                         denoise=bool(self.sampling["denoise"]),
+                                         update=str(self.sampling["update"]), generator=generator,
                                          progress=advance)
         finally:
             self.net.train(was_training)
