@@ -97,3 +97,49 @@ def test_ncsn_builds_the_normalized_block_and_scores():
     s = net(x, labels)
     assert s.shape == x.shape and torch.isfinite(s).all()
     assert net.deq_block().last_stats["converged"]
+
+
+@pytest.mark.parametrize("given", [{"norm": "spectral"}, {"norm": "frobenius", "norm_lambda": 2.0},
+                                   {"norm_lambda": 1.5}])
+def test_the_normalized_block_refuses_a_weight_norm_it_would_ignore(given):
+    """The block divides by its own w, so deq.norm / deq.norm_lambda meant for the weight-normalised block must not
+    pass silently (a decision arm once ran the normalised block under a 'spectral' label for that reason)."""
+    with pytest.raises(ValueError, match="does not apply to deq.block=normalized_residual.*deq.block=null"):
+        DEQConfig(block="normalized_residual", **given)
+    cfg = DEQConfig(block="normalized_residual")
+    assert (cfg.norm, cfg.norm_lambda) == (None, None)
+    assert (DEQConfig().norm, DEQConfig().norm_lambda) == ("frobenius", 2.0)  # unset: the paper's §3.2 block
+    assert (DEQConfig(norm="spectral", norm_lambda=1.5).norm, DEQConfig(norm_lambda=1.5).norm_lambda) == (
+        "spectral", 1.5)
+
+
+def test_ncsn_mnist_overrides_reach_the_block_they_name(tmp_path):
+    from src.config.deq import block_config
+    from tests.conftest import compose_train
+
+    record = compose_train(["experiment=ncsn_mnist", "deq=true"], tmp_path / "a").deq
+    assert block_config(record).block == "normalized_residual"
+    spectral = block_config(compose_train(["experiment=ncsn_mnist", "deq=true", "deq.block=null", "deq.norm=spectral",
+                                           "deq.norm_lambda=1.5"], tmp_path / "b").deq)
+    assert (spectral.block, spectral.norm, spectral.norm_lambda) == (None, "spectral", 1.5)
+    with pytest.raises(ValueError, match="deq.norm=spectral does not apply"):
+        block_config(compose_train(["experiment=ncsn_mnist", "deq=true", "deq.norm=spectral"], tmp_path / "c").deq)
+
+
+def test_checkpoints_saved_with_the_old_defaults_still_load():
+    """Runs of the normalised block saved while deq.norm / deq.norm_lambda defaulted to frobenius / 2 store those
+    unused defaults: read as unset. A stored non-default value was an ignored override and stays (loading fails)."""
+    from omegaconf import OmegaConf
+
+    from src.runs.load import clear_stale_norm_of_normalized_block
+
+    old = OmegaConf.create({"deq": {"block": "normalized_residual", "norm": "frobenius", "norm_lambda": 2.0},
+                            "model": {"deq": "${deq}"}})
+    clear_stale_norm_of_normalized_block(old)
+    assert (old.deq.norm, old.deq.norm_lambda, old.model.deq.norm) == (None, None, None)
+    ignored = OmegaConf.create({"deq": {"block": "normalized_residual", "norm": "spectral", "norm_lambda": 1.5}})
+    clear_stale_norm_of_normalized_block(ignored)
+    assert (ignored.deq.norm, ignored.deq.norm_lambda) == ("spectral", 1.5)
+    plain = OmegaConf.create({"deq": {"block": None, "norm": "frobenius", "norm_lambda": 2.0}})
+    clear_stale_norm_of_normalized_block(plain)
+    assert (plain.deq.norm, plain.deq.norm_lambda) == ("frobenius", 2.0)

@@ -95,3 +95,23 @@ def test_protocol_grid_keeps_each_experiments_own_length():
         cmd = " ".join(study.command(j, "<data dir>", "<run dir>"))
         assert "deq=true" in cmd and "max_steps" not in cmd and "val_check_interval" not in cmd
         assert "deq.norm" not in cmd and "test=false" in cmd
+
+
+def test_every_ncsn_decision_arm_composes_the_block_its_name_says(tmp_path):
+    """ncsn_mnist defaults to the normalised block: an arm that names another block must switch it off (seed 2 of
+    the paper's arm and two spectral seeds once ran the normalised block under their labels)."""
+    from src.config.deq import block_config
+    from tests.conftest import compose_train
+
+    base, _ = study.FAMILIES["ncsn"]
+    want = {"deq_record": ("normalized_residual", None, None, "implicit", False),
+            "one_pass": ("normalized_residual", None, None, "implicit", True),
+            "deq_paper": (None, "frobenius", 2.0, "phantom", False),
+            "deq_spectral": (None, "spectral", 1.5, "implicit", False),
+            "one_pass_spectral": (None, "spectral", 1.5, "implicit", True)}
+    arms = study.decision_arms("ncsn")
+    assert set(want) <= set(arms)
+    for arm, expected in want.items():
+        cfg = compose_train([*base.split(), *arms[arm].split()], tmp_path / arm)
+        deq = block_config(cfg.deq)
+        assert (deq.block, deq.norm, deq.norm_lambda, deq.backward, deq.one_pass) == expected, arm

@@ -20,7 +20,7 @@ PAPER_DEQ = ("deq.norm=frobenius", "deq.norm_lambda=2", *PAPER_STOP)
 # The paper's DEQ-ResBlock for the NCSN (App. D.4) with the phantom backward: ``experiment=ncsn_mnist`` now holds
 # the authors' normalised block with the implicit backward (its block of record), so the NCSN grids and the GPU
 # suite, whose committed rows ran the paper's block, pin this.
-PAPER_NCSN_BLOCK = ("deq.block=null", "deq.backward=phantom")
+PAPER_NCSN_BLOCK = ("deq.block=null", "deq.norm=frobenius", "deq.norm_lambda=2", "deq.backward=phantom")
 
 # The paper's figures (Tables 2-4): (test SM loss, test LL[, Fisher div.], memory GB)
 DKEF_NICE = {

@@ -35,7 +35,7 @@ def run_dir_spectra(run: Path) -> dict:
     from src.runs.checkpoints import load_checked
 
     state = load_checked(ckpt)  # weights-only (src.runs.checkpoints)
-    lam = float(state["hyper_parameters"]["deq"].get("norm_lambda", 2.0))
+    lam = float(state["hyper_parameters"]["deq"].get("norm_lambda") or 2.0)
     out = {}
     for key, value in state["state_dict"].items():
         if ".block.weights." in key or (key.endswith(".weights.0") and value.dim() == 2):

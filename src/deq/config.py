@@ -23,8 +23,11 @@ class DEQConfig:
     max_iter: int = 128
     phantom_steps: int = 2
     warm_start: bool = True
-    norm_lambda: float = 2.0
-    norm: str = "frobenius"
+    # Weight normalisation of the map (§3.2): None = the paper's, Frobenius with λ = 2, for the weight-normalised
+    # blocks; deq.block=normalized_residual has its own (w = 2‖K₁‖_F‖K₂‖_F) and refuses either key, so that an
+    # override meant for another block is never silently ignored (resolved in __post_init__).
+    norm_lambda: float | None = None
+    norm: str | None = None
     backward: str = "phantom"
     anderson_m: int = 5
     anderson_beta: float = 1.0
@@ -47,7 +50,16 @@ class DEQConfig:
             raise ValueError(f"deq.backward={self.backward!r} is unknown; valid: {', '.join(BACKWARDS)}")
         if self.stop_mode not in STOP_MODES:
             raise ValueError(f"deq.stop_mode={self.stop_mode!r} is unknown; valid: {', '.join(STOP_MODES)}")
-        if self.norm not in NORMS:
+        if self.block == "normalized_residual":
+            given = [f"deq.{k}={getattr(self, k)}" for k in ("norm", "norm_lambda") if getattr(self, k) is not None]
+            if given:
+                raise ValueError(
+                    f"{' '.join(given)} does not apply to deq.block=normalized_residual (it divides its ResBlock by "
+                    "w = 2||K1||_F ||K2||_F): drop it, or add deq.block=null for the weight-normalised block it sets")
+        else:
+            self.norm = "frobenius" if self.norm is None else self.norm
+            self.norm_lambda = 2.0 if self.norm_lambda is None else self.norm_lambda
+        if self.norm is not None and self.norm not in NORMS:
             raise ValueError(f"deq.norm={self.norm!r} is unknown; valid: {', '.join(NORMS)}")
         if self.injection not in INJECTIONS:
             raise ValueError(f"deq.injection={self.injection!r} is unknown; valid: linear, softplus "
@@ -55,7 +67,7 @@ class DEQConfig:
         if self.block not in BLOCKS:
             raise ValueError(f"deq.block={self.block!r} is unknown; valid: normalized_residual (or null for the "
                              "model family's block)")
-        if float(self.norm_lambda) <= 1.0:
+        if self.norm_lambda is not None and float(self.norm_lambda) <= 1.0:
             raise ValueError(
                 f"deq.norm_lambda={self.norm_lambda} is invalid: it must be > 1 so that the DEQ map is a "
                 "contraction (paper §3.2: W <- W / (lambda ||W||_F))"

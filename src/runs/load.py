@@ -63,6 +63,16 @@ def check_targets(cfg: DictConfig, cfg_path: Path, trust: bool = False) -> None:
                 stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
 
 
+def clear_stale_norm_of_normalized_block(cfg: DictConfig) -> None:
+    """Runs of ``deq.block=normalized_residual`` saved while ``deq.norm`` / ``deq.norm_lambda`` defaulted to
+    frobenius / 2 store those defaults, which that block never used and now refuses (``src.deq.config``): read
+    them as unset. Any other stored value was an override the block ignored — left, so that loading says so."""
+    for deq in (cfg.get("deq"), cfg.get("model", {}).get("deq") if isinstance(cfg.get("model"), DictConfig) else None):
+        if (isinstance(deq, DictConfig) and deq.get("block") == "normalized_residual"
+                and deq.get("norm") == "frobenius" and deq.get("norm_lambda") in (2, 2.0)):
+            deq.norm = deq.norm_lambda = None
+
+
 def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None,
                       trust: bool = False) -> tuple[Path, DictConfig, Path]:
     """The checkpoint (its file checked), its run's composed config with ``overrides`` merged (its targets
@@ -75,6 +85,7 @@ def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None,
     # paths.output_dir holds a ${hydra:...} interpolation when composed by Hydra: pin it to the run dir
     cfg.paths.output_dir = str(run_dir)
     refuse_moved_keys(cfg, f"run config {cfg_path} (of an older version: rename the key there)")
+    clear_stale_norm_of_normalized_block(cfg)
     if overrides:
         message = moved_override_message(o.split("=", 1)[0] for o in overrides)
         if message is not None:
