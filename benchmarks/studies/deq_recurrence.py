@@ -144,8 +144,13 @@ the paper's Frobenius λ = 2 block is near-inert, below 10 %):
   74 % of the averaged weights that validate a 300-step run are the initial ones; the same spectral λ = 1.5 run
   validates at 74 with EMA 0.99 (its decision_short row, deq_spectral seed 0).
 - Shares at the end of the committed protocols (protocol grid, seed 0): DKEF 34.7 %, NICE 16.6 % (1000 steps;
-  19.6 / 22.7 / 8.4 / 15.8 % per coupling), SSM-VAE 33.4 % (20 000 steps); the NCSN's was not run.
-- DKEF frobenius rows ran under the former stop rule (absolute 1e-5); every other row under rel 1e-4."""
+  19.6 / 22.7 / 8.4 / 15.8 % per coupling), SSM-VAE 33.4 % (20 000 steps), NCSN 14.4 %
+  (500 steps at batch 64; contraction 0.89, 11 iterations).
+- DKEF frobenius rows ran under the former stop rule (absolute 1e-5); every other row under rel 1e-4.
+- NCSN decision: three jobs (deq_paper seed 2, deq_spectral and one_pass_spectral seeds 1-2) first ran the
+  normalised block, whose experiment default ignored their deq.norm overrides; they were rerun with
+  deq.block=null (the arms' commands below), which deq.norm now requires with that experiment. Why the
+  300-step NCSNs white out: benchmarks/results/ncsn_white_out.md (the sampler's U(0, 1) start, not the DEQ)."""
 
 
 PROTOCOL = {  # each family's experiment with its DEQ block of record, at the experiment's own length
