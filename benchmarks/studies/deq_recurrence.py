@@ -255,7 +255,8 @@ def collect(job: dict, work: Path) -> dict:
     for key in ("test/sm_loss", "test/ssm_loss", "test/log_likelihood", "test/log_likelihood_stderr", "test/fid",
                 "test/fid_bootstrap_sd", "test/fid_n_samples", "test/white_fraction", "test/white_fraction_real",
                 "test/dsm_loss", "test/ssm_vr_loss", "test/score_ssm_loss", "val/sm_loss", "val/dsm_loss",
-                "val/ssm_vr_loss", "val/ssm_loss", "profile/deq_iterations_mean", "profile/deq_hit_cap_count", "profile/time_per_step_s"):
+                "val/ssm_vr_loss", "val/ssm_loss", "profile/deq_iterations_mean", "profile/deq_hit_cap_count",
+                "profile/time_per_step_s"):
         if key in m:
             row[key] = m[key]
     return row

@@ -32,10 +32,11 @@ def run_dir_spectra(run: Path) -> dict:
     ckpt = Path(metrics.get("tested_checkpoint") or run / "checkpoints" / "last.ckpt")
     if not ckpt.is_absolute() and not ckpt.exists():
         ckpt = run / "checkpoints" / ckpt.name
+    from src.deq.config import PAPER_NORM_LAMBDA
     from src.runs.checkpoints import load_checked
 
     state = load_checked(ckpt)  # weights-only (src.runs.checkpoints)
-    lam = float(state["hyper_parameters"]["deq"].get("norm_lambda") or 2.0)
+    lam = float(state["hyper_parameters"]["deq"].get("norm_lambda") or PAPER_NORM_LAMBDA)  # unset: the paper's
     out = {}
     for key, value in state["state_dict"].items():
         if ".block.weights." in key or (key.endswith(".weights.0") and value.dim() == 2):

@@ -260,8 +260,8 @@ def run_ddp(size: dict, root: str, n_devices: int, accelerator: str, budget: flo
             ) -> dict:
     t0 = time.perf_counter()
     steps = scaled(size["ddp_steps"], total_s)
-    base = ["experiment=ncsn_mnist", "trainer=ddp", f"trainer.accelerator={accelerator}", *paper.PAPER_NCSN_BLOCK,
-            *size["ddp"],
+    base = ["experiment=ncsn_mnist", "trainer=ddp", f"trainer.accelerator={accelerator}",
+            *paper.PAPER_NCSN_BLOCK, *size["ddp"],
             f"trainer.max_steps={steps}", "++trainer.num_sanity_val_steps=0", "test=false", *QUIET,
             f"data.root={root}"]
     out = {"budget_s": budget, "family": "NCSN on MNIST (DEQ, SSM-VR), experiment=ncsn_mnist",
@@ -301,8 +301,8 @@ def run_fid(size: dict, root: str, accelerator: str, budget: float, total_s: flo
     steps = scaled(size["fid_steps"], total_s)
     n = scaled(size["fid_samples"], total_s)
     overrides = ["experiment=ncsn_mnist", *paper.PAPER_NCSN_BLOCK, f"trainer.accelerator={accelerator}",
-                 "trainer.devices=1", f"trainer.max_steps={steps}", f"model.metrics.fid.n_samples={n}", *size["fid"], *QUIET,
-                 f"data.root={root}"]
+                 "trainer.devices=1", f"trainer.max_steps={steps}", f"model.metrics.fid.n_samples={n}",
+                 *size["fid"], *QUIET, f"data.root={root}"]
     out = {"budget_s": budget, "command": shown(overrides), "steps": steps, "n_samples": n}
     if budget < min_job_s(accelerator):
         out.update(status="skipped", note=f"{max(budget, 0):.0f} s left in the budget")

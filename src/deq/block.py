@@ -431,7 +431,8 @@ class NormalizedResidualDEQBlock(DEQBlock):
     ``deq.block=normalized_residual`` (NCSN). The state has the input's shape (``channels`` in and out); the
     kernels are not normalized by ``deq.norm`` — w is the authors' normalization — and ``deq.norm_lambda`` is not
     used (``DEQConfig`` refuses either key with this block). Conditioning enters through x (the features before
-    it); ``block(x, labels)`` ignores the labels. Kernels start as ``nn.Conv2d``'s default (so w ≈ 2·C/3 for C channels, 3×3)."""
+    it); ``block(x, labels)`` ignores the labels. Kernels start as ``nn.Conv2d``'s default (so w ≈ 2·C/3 for C
+    channels, 3×3)."""
 
     def __init__(self, channels: int, kernel_size: int = 3, config: DEQConfig | None = None, name: str = "deq"):
         super().__init__(config, name)

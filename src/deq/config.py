@@ -10,6 +10,7 @@ STOP_MODES = ("abs", "rel")
 NORMS = ("frobenius", "spectral", "none")  # none: the weights as they are (hand-built maps)
 INJECTIONS = (None, "linear", "softplus")
 BLOCKS = (None, "normalized_residual")  # None: the family's block
+PAPER_NORM, PAPER_NORM_LAMBDA = "frobenius", 2.0  # §3.2: W / (λ‖W‖_F), λ = 2 — what an unset deq.norm means
 
 
 @dataclass
@@ -57,8 +58,8 @@ class DEQConfig:
                     f"{' '.join(given)} does not apply to deq.block=normalized_residual (it divides its ResBlock by "
                     "w = 2||K1||_F ||K2||_F): drop it, or add deq.block=null for the weight-normalised block it sets")
         else:
-            self.norm = "frobenius" if self.norm is None else self.norm
-            self.norm_lambda = 2.0 if self.norm_lambda is None else self.norm_lambda
+            self.norm = PAPER_NORM if self.norm is None else self.norm
+            self.norm_lambda = PAPER_NORM_LAMBDA if self.norm_lambda is None else self.norm_lambda
         if self.norm is not None and self.norm not in NORMS:
             raise ValueError(f"deq.norm={self.norm!r} is unknown; valid: {', '.join(NORMS)}")
         if self.injection not in INJECTIONS:

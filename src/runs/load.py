@@ -67,7 +67,8 @@ def clear_stale_norm_of_normalized_block(cfg: DictConfig) -> None:
     """Runs of ``deq.block=normalized_residual`` saved while ``deq.norm`` / ``deq.norm_lambda`` defaulted to
     frobenius / 2 store those defaults, which that block never used and now refuses (``src.deq.config``): read
     them as unset. Any other stored value was an override the block ignored — left, so that loading says so."""
-    for deq in (cfg.get("deq"), cfg.get("model", {}).get("deq") if isinstance(cfg.get("model"), DictConfig) else None):
+    model = cfg.get("model")
+    for deq in (cfg.get("deq"), model.get("deq") if isinstance(model, DictConfig) else None):
         if (isinstance(deq, DictConfig) and deq.get("block") == "normalized_residual"
                 and deq.get("norm") == "frobenius" and deq.get("norm_lambda") in (2, 2.0)):
             deq.norm = deq.norm_lambda = None
