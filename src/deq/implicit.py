@@ -14,6 +14,13 @@ Each trap listed in docs/deq.md §6 is silent; this module avoids them by constr
 ``@once_differentiable`` (1), no hook-based adjoint (2), no ``detach`` of u* (3), the adjoint is a Function,
 not a bare no-grad solve (4), ``enable_grad`` in backward (5), aliases instead of the original tensors (6).
 
+Truncated higher orders (``exact_orders``): the adjoint of level k > ``exact_orders`` is not solved but taken as
+the K-term Neumann series v = Σ_{j<K} ((∂_u φ)ᵀ)ʲ ū, differentiable by plain autograd (K = 1: v = ū, the
+Jacobian-free step of Fung et al. 2022 at that level) — the phantom gradient (Alg. 1) of the adjoint fixed point.
+With ``exact_orders=1`` and an SSM-VR loss the loss's own input derivative (order 1) is exact and only its
+parameter gradient (order 2) is truncated, which skips the second-level solve, the costliest part of the step
+(each of its iterations is a double backward of φ: benchmarks/results/ncsn_deq_cost.md).
+
 Memory does not grow with solver iterations: the Function saves u* and p; each adjoint solve builds φ's
 graph once and runs one vector-Jacobian product per iteration on it (:meth:`_Adjoint.prepare`).
 """
@@ -70,16 +77,18 @@ def _prepared(phi: Callable, params: tuple) -> Callable:
 
 
 class _FixedPoint(torch.autograd.Function):
-    """u* = φ(u*; p). Inputs: (φ, solver kwargs, report, level, z0, *p). Output: u*."""
+    """u* = φ(u*; p). Inputs: (φ, solver kwargs, report, level, truncation, z0, *p). Output: u*.
+    ``truncation``: ``(exact_orders, terms)`` — adjoints of level > exact_orders are ``terms``-term Neumann series
+    (``exact_orders`` None: every level solved)."""
 
     @staticmethod
-    def forward(ctx, phi, solver, report, level, z0, *params):
+    def forward(ctx, phi, solver, report, level, truncation, z0, *params):
         with torch.no_grad(), record_function(PHASE_SOLVE if level == 0 else PHASE_IMPLICIT_BACKWARD):
             result = solve(_prepared(phi, params), z0, **solver)
         if report is not None:
             report(level, result)
         u = result.z
-        ctx.phi, ctx.solver, ctx.report, ctx.level = phi, solver, report, level
+        ctx.phi, ctx.solver, ctx.report, ctx.level, ctx.truncation = phi, solver, report, level, truncation
         ctx.save_for_backward(u, *params)  # u as an output: it comes back attached to this node
         return u
 
@@ -87,25 +96,35 @@ class _FixedPoint(torch.autograd.Function):
     def backward(ctx, u_bar):
         u, *params = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()  # True iff the caller asked for create_graph
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[5:]) if need]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
+        exact_orders, terms = ctx.truncation
         with torch.enable_grad(), record_function(PHASE_IMPLICIT_BACKWARD):
             aliases = [p.view_as(p) for p in params]
-            v = _FixedPoint.apply(_Adjoint(ctx.phi), ctx.solver, ctx.report, ctx.level + 1,
-                                  u_bar.detach(), u_bar, u, *aliases)
+            if exact_orders is not None and ctx.level + 1 > int(exact_orders):  # truncated: Neumann series
+                psi = _Adjoint(ctx.phi)
+                v = u_bar
+                for _ in range(int(terms) - 1):
+                    v = psi(v, u_bar, u, *aliases)
+            else:
+                v = _FixedPoint.apply(_Adjoint(ctx.phi), ctx.solver, ctx.report, ctx.level + 1, ctx.truncation,
+                                      u_bar.detach(), u_bar, u, *aliases)
             out = ctx.phi(u, *aliases)  # partial VJP in p, u* held (and attached)
             grads = torch.autograd.grad(out, [aliases[i] for i in wanted], v, create_graph=create_graph,
                                         allow_unused=True)
         p_bar = [None] * len(params)
         for i, g in zip(wanted, grads):
             p_bar[i] = g
-        return (None, None, None, None, None, *p_bar)
+        return (None, None, None, None, None, None, *p_bar)
 
 
-def fixed_point(phi: Callable, z0: torch.Tensor, params: tuple, solver: dict, report: Report | None = None):
+def fixed_point(phi: Callable, z0: torch.Tensor, params: tuple, solver: dict, report: Report | None = None,
+                exact_orders: int | None = None, terms: int = 1):
     """u* = φ(u*, *params), differentiable to every order w.r.t. ``params`` by implicit differentiation.
 
     ``phi(z, *params)`` must be a pure function of its tensor arguments; ``solver`` holds the keyword
     arguments of :func:`src.deq.solvers.solve`; ``report(level, result)`` is called after every solve
-    (level 0 forward, level k ≥ 1 the k-th nested adjoint) for statistics and warnings.
+    (level 0 forward, level k ≥ 1 the k-th nested adjoint) for statistics and warnings. ``exact_orders``: the
+    derivative orders solved exactly (None: all); the adjoints of higher orders are ``terms``-term Neumann series
+    (see the module docstring).
     """
-    return _FixedPoint.apply(phi, solver, report, 0, z0.detach(), *params)
+    return _FixedPoint.apply(phi, solver, report, 0, (exact_orders, int(terms)), z0.detach(), *params)
