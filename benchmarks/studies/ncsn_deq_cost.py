@@ -211,7 +211,7 @@ def read_run(run_dir: Path) -> dict:
             "last_step": loss[-1][0] + 1 if loss else 0, "val_dsm": num("val/dsm_loss"),
             "share": num("val/deq_recurrence_share"), "contraction": num("val/deq_contraction_rate"),
             "logged_cap_hits": caps, "max_iterations": max(its) if its else None,
-            "loss_curve": loss[::5]}
+            "loss_curve": loss}
 
 
 def run_frontier(args) -> dict:
@@ -270,11 +270,11 @@ def render(res: dict) -> str:
         lines += ["## The routes over 300 steps (batch 32, validation at step 300)", "",
                   f"`{meta['command']}` reads the runs below (each its `src.train` command).", ""]
         lines += note_lines(meta)
-        head = ["run", "steps", "val DSM", "share", "contraction", "max iters", "cap hits (logged steps)",
-                "training loss (every 50 steps)"]
+        head = ["run", "steps run", "val DSM", "share", "contraction", "max iters (logged)", "logged steps at the cap",
+                "training loss (every 50 steps, and the last)"]
         body = []
         for name, r in frontier["runs"].items():
-            curve = ", ".join(f"{v:.0f}" for s, v in r["loss_curve"] if (s + 1) % 50 == 0)
+            curve = ", ".join(f"{v:.0f}" for s, v in r["loss_curve"] if (s + 1) % 50 == 0 or s + 1 == r["last_step"])
             body.append([name, str(r["last_step"]), _f(r["val_dsm"]), _f(r["share"], 4), _f(r["contraction"], 3),
                          _f(r["max_iterations"], 0), _f(r["logged_cap_hits"], 0), curve])
         from src.reports.tables import markdown_table

@@ -56,18 +56,68 @@ class _Adjoint:
             (jtv,) = torch.autograd.grad(out, u, v, create_graph=True, allow_unused=True, materialize_grads=True)
         return u_bar + jtv
 
+    def depth(self) -> tuple[int, Callable]:
+        """(d, φ₀): this map is the level-d adjoint map of the base map φ₀ (d = 1: ψ of φ₀ itself)."""
+        d, base = 1, self.phi
+        while isinstance(base, _Adjoint):
+            d, base = d + 1, base.phi
+        return d, base
+
     def prepare(self, u_bar, u, *params) -> Callable:
-        """v ↦ ψ(v) for the no-grad solve: φ's graph is built once, each iteration is one VJP on it."""
-        with torch.enable_grad():
-            leaf = u.detach().requires_grad_(True)
-            out = self.phi(leaf, *(p.detach() for p in params))
+        """v ↦ ψ(v) for the no-grad solve, each iteration one product with the base map's Jacobian.
+
+        The level-d adjoint map is linear in v with the operator Jᵀ (d odd) or J (d even), J = ∂_u φ₀(u*; p) of
+        the base map φ₀ at the forward fixed point — whatever the nesting, because ψ_{d−1} is linear in its own
+        state. So the step is one VJP of φ₀ (d odd; its graph built once) or one forward-mode JVP of φ₀ (d even:
+        no graph at all), instead of a (d−1)-times nested backward through the graphs of the levels below (at
+        ncsn_mnist the level-2 solve of SSM-VR's parameter gradient took the largest share of the step:
+        benchmarks/results/ncsn_deq_cost.md). Here ``u`` is v_{d−1} and ``params`` = (ū_{d−1}, v_{d−2}, …, ū₁,
+        u*, *p). A base map that forward mode cannot run (a custom autograd Function without a JVP rule) may
+        offer ``forward_mode_map`` (the same map in plain ops); failing that, the JVP falls back to the double VJP.
+        """
+        d, base = self.depth()
+        u_star, base_params = (u, params) if d == 1 else (params[2 * (d - 1) - 1], params[2 * (d - 1):])
         u_bar = u_bar.detach()
+        if d % 2 == 0:
+            step = _jvp_step(getattr(base, "forward_mode_map", base), u_bar, u_star, base_params)
+            if step is not None:
+                return step
+        with torch.enable_grad():
+            leaf = u_star.detach().requires_grad_(True)
+            out = base(leaf, *(p.detach() for p in base_params))
+        if d % 2 == 0:  # J v as the VJP of u ↦ Jᵀu (the double-VJP trick): linear in u, so built once
+            with torch.enable_grad():
+                dummy = torch.zeros_like(out, requires_grad=True)
+                (jt_dummy,) = torch.autograd.grad(out, leaf, dummy, create_graph=True)
+
+            def step_j(v):
+                (jv,) = torch.autograd.grad(jt_dummy, dummy, v, retain_graph=True)
+                return u_bar + jv
+
+            return step_j
 
         def step(v):
             (jtv,) = torch.autograd.grad(out, leaf, v, retain_graph=True, allow_unused=True, materialize_grads=True)
             return u_bar + jtv
 
         return step
+
+
+def _jvp_step(base: Callable, u_bar, u_star, params) -> Callable | None:
+    """v ↦ ū + J v by forward-mode AD of ``base`` at u* (None when forward mode cannot run it)."""
+    from torch.func import jvp
+
+    u_star = u_star.detach()
+    detached = tuple(p.detach() for p in params)
+
+    def step(v):
+        return u_bar + jvp(lambda z: base(z, *detached), (u_star,), (v,))[1]
+
+    try:
+        step(torch.zeros_like(u_star))
+    except (RuntimeError, NotImplementedError):
+        return None
+    return step
 
 
 def _prepared(phi: Callable, params: tuple) -> Callable:

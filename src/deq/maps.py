@@ -125,6 +125,12 @@ class NormalizedResidualMap:
         # 414-427 MB saved and 1.72 to 1.39-1.45 s (benchmarks/results/ncsn_deq_cost.md). False: plain ops.
         self.recompute = bool(recompute)
 
+    @property
+    def forward_mode_map(self) -> NormalizedResidualMap:
+        """The same map in plain ops, for forward-mode AD (the recomputing norm has no JVP rule): the implicit
+        backward's even-level adjoint solves step with J v by a JVP (src.deq.implicit)."""
+        return NormalizedResidualMap(self.padding, recompute=False)
+
     def _norm_elu(self, z, gamma, beta):
         if self.recompute and z.shape[1] > 1:  # the channel-means term needs ≥ 2 channels (it is 0 here anyway)
             return norm_act(z, gamma, torch.zeros_like(gamma), beta, act=True)
