@@ -65,6 +65,16 @@ ARMS = {
                       "phantom K = 1 + Jacobian penalty γ = 100 on 8 rows"),
 }
 MB = 2**20
+# The paper authors' code's CIFAR-10 SSM-VR settings (benchmarks/lib/step_cost/ncsn.py, ncsn_memory.md's first table):
+# 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, Gaussian projections, cond_norm; uniform images, seeded.
+AUTHORS_ARMS = {  # arm: (arch, deq, depth, deq overrides of benchmarks.lib.step_cases.deq_settings)
+    "twores": ("deq", False, 1, {}),
+    "record_plain_norms": ("deq", True, None, {"block": "normalized_residual", "backward": "implicit", "norm": None,
+                                               "norm_lambda": None, "tol": 1e-4, "stop_mode": "rel"}),
+    "record": ("deq", True, None, {"block": "normalized_residual", "backward": "implicit", "norm": None,
+                                   "norm_lambda": None, "tol": 1e-4, "stop_mode": "rel"}),
+    "paper": ("deq", True, None, {"tol": 1e-4, "stop_mode": "rel"}),
+}
 
 
 # ------------------------------------------------------------------------------------------ one arm (worker)
@@ -113,16 +123,25 @@ def worker(spec: dict) -> dict:
 
     torch.set_num_threads(int(spec["threads"]))
     phases = _Phases()
-    cfg = train_config([*BASE, f"data.root={spec['root']}", *spec["overrides"].split()])
     torch.manual_seed(0)
-    module = build(cfg.model)
+    if spec.get("setting") == "authors":
+        from benchmarks.lib.step_cost.ncsn import AUTHORS_SETTINGS
+        from benchmarks.lib.step_cost.ncsn import build as build_ncsn
+
+        arch, deq, depth, overrides = AUTHORS_ARMS[spec["arm"]]
+        module = build_ncsn(arch, deq, depth, 128, "cpu", overrides, **AUTHORS_SETTINGS)
+        g = torch.Generator().manual_seed(0)
+        batches = iter([torch.rand(4, 3, 32, 32, generator=g) for _ in range(64)])
+    else:
+        cfg = train_config([*BASE, f"data.root={spec['root']}", *spec["overrides"].split()])
+        module = build(cfg.model)
+        dm = build(cfg.data)
+        dm.setup("fit")
+        batches = iter(dm.train_dataloader())
     if spec["arm"] == "record_plain_norms":
         for m in module.modules():
             if hasattr(m, "phi") and hasattr(m.phi, "recompute"):
                 m.phi.recompute = False
-    dm = build(cfg.data)
-    dm.setup("fit")
-    batches = iter(dm.train_dataloader())
     optimizers = trainer_free(module)
     block = module.net.deq_block() if hasattr(module.net, "deq_block") else None
     steps = []
@@ -153,15 +172,16 @@ def worker(spec: dict) -> dict:
 
 # ------------------------------------------------------------------------------------------ sections
 def run_cost(args) -> dict:
-    arms = args.arms.split(",") if args.arms else list(ARMS)
-    unknown = [a for a in arms if a not in ARMS]
+    known = AUTHORS_ARMS if args.section == "authors" else ARMS
+    arms = args.arms.split(",") if args.arms else list(known)
+    unknown = [a for a in arms if a not in known]
     if unknown:
-        raise SystemExit(f"unknown arm(s) {', '.join(unknown)}; valid: {', '.join(ARMS)}")
+        raise SystemExit(f"unknown arm(s) {', '.join(unknown)}; valid: {', '.join(known)}")
     records: dict[str, list] = collections.defaultdict(list)
     for r in range(args.rounds):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
             spec = {"arm": arm, "overrides": ARMS[arm][0], "root": args.root, "threads": args.threads,
-                    "warmup": args.warmup, "steps": args.steps}
+                    "warmup": args.warmup, "steps": args.steps, "setting": args.section}
             print(f"round {r + 1}/{args.rounds}: {arm} …", flush=True)
             ran = run_process([sys.executable, "-m", MODULE, "--worker", json.dumps(spec)], thread_env(args.threads))
             if ran["code"] != 0:
@@ -174,7 +194,10 @@ def run_cost(args) -> dict:
     for arm, steps in records.items():
         last = steps[-1]
         phases = sorted({p for s in steps for p in s["seconds_by_phase"]})
-        rows[arm] = {"overrides": ARMS[arm][0], "what": ARMS[arm][1], "steps": len(steps),
+        shown = ARMS[arm][0] if args.section == "cost" else (
+            "deq=false depth=1" if not AUTHORS_ARMS[arm][1] else
+            " ".join(f"deq.{k}={'null' if v is None else v}" for k, v in AUTHORS_ARMS[arm][3].items()))
+        rows[arm] = {"overrides": shown, "what": ARMS[arm][1], "steps": len(steps),
                      "s_per_step": statistics.median(s["s"] for s in steps),
                      "saved_MB": statistics.median(s["saved_MB"] for s in steps),
                      "iterations": statistics.mean(s["iterations"] for s in steps) if last["iterations"] else None,
@@ -183,9 +206,11 @@ def run_cost(args) -> dict:
                      "seconds_by_phase": {p: statistics.median(s["seconds_by_phase"].get(p, 0.0) for s in steps)
                                           for p in phases},
                      "saved_MB_by_phase": last["saved_MB_by_phase"]}
+    base = ("the authors' CIFAR-10 SSM-VR settings: 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, Gaussian "
+            "projections, uniform images" if args.section == "authors" else " ".join(BASE))
     return {"meta": {"command": args.command, "machine": machine_facts(), "threads": args.threads,
                      "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
-                     "base": " ".join(BASE), "note": _note(args)}, "rows": rows}
+                     "base": base, "note": _note(args)}, "rows": rows}
 
 
 def read_run(run_dir: Path) -> dict:
@@ -204,6 +229,7 @@ def read_run(run_dir: Path) -> dict:
 
     cmd = list(OmegaConf.load(overrides)) if overrides.exists() else []
     cmd = [c for c in cmd if not c.startswith(("data.root=", "hydra.run.dir="))]
+
     def num(key):
         return float(last[key]) if last.get(key) else None
 
@@ -231,39 +257,46 @@ def _f(v, digits=2):
     return "–" if v is None else f"{v:.{digits}f}"
 
 
+def _cost_lines(cost: dict, title: str) -> list[str]:
+    """The table and phase lines of one step-cost section (``cost``: ncsn_mnist; ``authors``: the authors' CIFAR-10
+    settings)."""
+    from src.reports.tables import markdown_table
+
+    meta, rows = cost["meta"], cost["rows"]
+    lines = [title.format(base=meta["base"]), "",
+             (f"`{meta['command']}` — {meta['machine']}. Each arm in its own process, {meta['rounds']} "
+              f"round(s) (order reversed every other round), {meta['warmup']} warm-up + {meta['steps']} timed "
+              "steps a round; medians over the timed steps. *saved* = bytes autograd saves for backward over the "
+              "whole step (distinct storages). The machine is shared (2 cores, other jobs): read ratios of arms "
+              "measured in the same call, not absolute seconds."), ""]
+    lines += note_lines(meta)
+    base = rows.get("twores")
+    head = ["arm", "overrides", "s/step", "× TwoRes", "saved MB", "× TwoRes", "fwd iters", "adjoint iters"]
+    body = []
+    for arm, r in rows.items():
+        body.append([arm, f"`{r['overrides']}`", _f(r["s_per_step"], 3),
+                     _f(r["s_per_step"] / base["s_per_step"]) if base else "–", _f(r["saved_MB"], 1),
+                     _f(r["saved_MB"] / base["saved_MB"]) if base else "–", _f(r["iterations"], 1),
+                     _f(r["adjoint_iterations"], 1)])
+    lines += markdown_table(head, body) + [""]
+    lines += [("By phase (the median seconds inside each, nested phases included; MB saved while it ran, of one "
+              "step):"), ""]
+    for arm, r in rows.items():
+        if len(r["saved_MB_by_phase"]) <= 1:
+            continue
+        parts = [f"{p}: {_f(r['seconds_by_phase'].get(p), 3)} s, {_f(r['saved_MB_by_phase'].get(p, 0.0), 1)} MB"
+                 for p in sorted(set(r["seconds_by_phase"]) | set(r["saved_MB_by_phase"]))]
+        lines.append(f"- **{arm}** — " + "; ".join(parts))
+    lines.append("")
+    return lines
+
+
 def render(res: dict) -> str:
     lines = ["# The NCSN DEQ's step: where time and bytes go, and the routes to a cheaper recurring block", ""]
-    cost = res.get("cost")
-    if cost:
-        meta = cost["meta"]
-        rows = cost["rows"]
-        lines += [f"## Step cost at `{meta['base']}` (batch 64, ngf 16, SSM-VR, MNIST batches)", "",
-                  (f"`{meta['command']}` — {meta['machine']}. Each arm in its own process, {meta['rounds']} "
-                   f"round(s) (order reversed every other round), {meta['warmup']} warm-up + {meta['steps']} timed "
-                   "steps a round; medians over the timed steps. *saved* = bytes autograd saves for backward over the "
-                   "whole step (distinct storages). The machine is shared (2 cores, other jobs): read ratios of arms "
-                   "measured in the same call, not absolute seconds."), ""]
-        lines += note_lines(meta)
-        base = rows.get("twores")
-        head = ["arm", "overrides", "s/step", "× TwoRes", "saved MB", "× TwoRes", "fwd iters", "adjoint iters"]
-        body = []
-        for arm, r in rows.items():
-            body.append([arm, f"`{r['overrides']}`", _f(r["s_per_step"], 3),
-                         _f(r["s_per_step"] / base["s_per_step"]) if base else "–", _f(r["saved_MB"], 1),
-                         _f(r["saved_MB"] / base["saved_MB"]) if base else "–", _f(r["iterations"], 1),
-                         _f(r["adjoint_iterations"], 1)])
-        from src.reports.tables import markdown_table
-
-        lines += markdown_table(head, body) + [""]
-        lines += [("By phase (the median seconds inside each, nested phases included; MB saved while it ran, of one "
-                  "step):"), ""]
-        for arm, r in rows.items():
-            if len(r["saved_MB_by_phase"]) <= 1:
-                continue
-            parts = [f"{p}: {_f(r['seconds_by_phase'].get(p), 3)} s, {_f(r['saved_MB_by_phase'].get(p, 0.0), 1)} MB"
-                     for p in sorted(set(r["seconds_by_phase"]) | set(r["saved_MB_by_phase"]))]
-            lines.append(f"- **{arm}** — " + "; ".join(parts))
-        lines.append("")
+    for section, title in (("cost", "## Step cost at `{base}` (batch 64, ngf 16, SSM-VR, MNIST batches)"),
+                           ("authors", "## Step cost at {base}")):
+        if section in res:
+            lines += _cost_lines(res[section], title)
     frontier = res.get("frontier")
     if frontier:
         meta = frontier["meta"]
@@ -287,7 +320,7 @@ def render(res: dict) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", nargs="?", choices=("cost", "frontier"))
+    ap.add_argument("section", nargs="?", choices=("cost", "authors", "frontier"))
     ap.add_argument("--root", default=str(DATA_ROOT), help="data.root (MNIST)")
     ap.add_argument("--arms", default="", help=f"cost: comma-separated arms (default all: {', '.join(ARMS)})")
     ap.add_argument("--rounds", type=int, default=2)
@@ -305,13 +338,13 @@ def main(argv=None):
     if rendered(args, STEM, render):
         return
     if args.section is None:
-        ap.error("give a section (cost | frontier) or --render")
+        ap.error("give a section (cost | authors | frontier) or --render")
     placeholders = {str(args.runs): "<runs dir>"} if args.runs else None
     args.command = script_command(MODULE, argv, data_root=args.root, placeholders=placeholders)
     from src.reports.tables import load_results, write_results
 
     res = load_results(args.out, STEM)
-    res[args.section] = run_cost(args) if args.section == "cost" else run_frontier(args)
+    res[args.section] = run_frontier(args) if args.section == "frontier" else run_cost(args)
     write_results(args.out, STEM, res, render)
     print(render(res))
 
