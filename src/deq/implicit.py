@@ -27,6 +27,7 @@ graph once and runs one vector-Jacobian product per iteration on it (:meth:`_Adj
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -114,7 +115,9 @@ def _jvp_step(base: Callable, u_bar, u_star, params) -> Callable | None:
         return u_bar + jvp(lambda z: base(z, *detached), (u_star,), (v,))[1]
 
     try:
-        step(torch.zeros_like(u_star))
+        with warnings.catch_warnings():  # torch's own notice when the first forward-mode product loads its rules
+            warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit.script.*")
+            step(torch.zeros_like(u_star))
     except (RuntimeError, NotImplementedError):
         return None
     return step
