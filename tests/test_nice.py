@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -184,13 +183,8 @@ def test_nice_with_deq_couplings_is_exactly_invertible():
     pickle.loads(pickle.dumps(model))
 
 
-SHARED_MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
-def test_mle_on_mnist_through_a_lightning_trainer():
+def test_mle_on_mnist_through_a_lightning_trainer(mnist_root):
     """Integration: the data module feeds a NICE trained by maximum likelihood; the held-out LL rises."""
-    if not (SHARED_MNIST / "mnist" / "train-images-idx3-ubyte.gz").is_file():
-        pytest.skip("MNIST files not found under ../shared/data/mnist")
     import lightning.pytorch as L
 
     from src.data.mnist import MNISTDataModule
@@ -208,7 +202,7 @@ def test_mle_on_mnist_through_a_lightning_trainer():
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
     L.seed_everything(0, verbose=False)
-    dm = MNISTDataModule(SHARED_MNIST, batch_size=64, download=False, limit=3000)
+    dm = MNISTDataModule(mnist_root, batch_size=64, download=False, limit=3000)
     model = MLE()
     dm.setup()
     with torch.no_grad():
