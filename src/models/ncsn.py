@@ -250,7 +250,7 @@ class DEQResBlock(nn.Module):
 
     def __init__(self, channels: int, num_classes: int | None, deq: Any = None, name: str = "ncsn.deq"):
         super().__init__()
-        config = block_config(deq)
+        config = block_config(deq, "ncsn")
         if config.block == "normalized_residual":  # the paper authors' code's block (identity injection)
             self.block = NormalizedResidualDEQBlock(channels, 3, config=config, name=name)
         elif num_classes is None:
@@ -297,7 +297,7 @@ class NCSN(nn.Module):
         self.arch, self.ngf, self.centered_input = arch, int(ngf), bool(centered_input)
         self.num_classes = sig.numel()
         n = self.num_classes if conditioning == "cond_norm" else None  # what the blocks are conditioned on
-        setting = deq_setting(deq) if arch == "deq" else None
+        setting = deq_setting(deq, "ncsn") if arch == "deq" else None
         self.deq_enabled = setting is not None
         c1, c2 = self.ngf, 2 * self.ngf
         self.begin = conv3x3(channels, c1)

@@ -122,7 +122,7 @@ def build_supervised_net(in_dim: int, out_dim: int = 1, *, arch: str = "auto", d
     count), ``match=neurons`` (``width`` hidden neurons spread over the depth − 1 hidden layers)."""
     if arch not in ARCHS:
         raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
-    setting = deq_setting(deq)
+    setting = deq_setting(deq, "supervised")
     if arch == "auto":
         arch = "deq" if setting is not None else "mlp"
     if arch == "diag_deq":
