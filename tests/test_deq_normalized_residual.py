@@ -143,3 +143,29 @@ def test_checkpoints_saved_with_the_old_defaults_still_load():
     plain = OmegaConf.create({"deq": {"block": None, "norm": "frobenius", "norm_lambda": 2.0}})
     clear_stale_norm_of_normalized_block(plain)
     assert (plain.deq.norm, plain.deq.norm_lambda) == ("frobenius", 2.0)
+
+
+def test_recomputing_norms_give_the_plain_maps_derivatives_to_third_order():
+    """The map's ELU(IN(·)) by the recomputing norm (the default) against plain autograd ops, float64: value,
+    the input derivative, an SM-type loss's parameter gradient (second order) and its input gradient (third)."""
+    from src.deq.maps import NormalizedResidualMap
+
+    block = make_block()
+    x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    z = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    params = block.map_params(x)
+    head = torch.randn(32, dtype=torch.float64)
+
+    def derivatives(recompute: bool):
+        phi = NormalizedResidualMap(1, recompute=recompute)
+        zz = z.clone().requires_grad_(True)
+        out = phi(zz, *params)
+        e = torch.tanh(out.flatten(1) @ head).sum()
+        (gz,) = torch.autograd.grad(e, zz, create_graph=True)
+        loss = gz.pow(2).sum()
+        grads = torch.autograd.grad(loss, [block.kernel1, block.gamma1, block.kernel2, zz], create_graph=True)
+        (third,) = torch.autograd.grad(grads[0].pow(2).sum(), zz)
+        return [out, gz, *grads, third]
+
+    for a, b in zip(derivatives(True), derivatives(False)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)

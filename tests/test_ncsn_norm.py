@@ -1,4 +1,4 @@
-"""The recomputing instance norm++ (+ ELU) of src/models/ncsn_norm.py against the plain autograd map, float64:
+"""The recomputing instance norm++ (+ ELU) of src/layers/instance_norm.py against the plain autograd map, float64:
 values, first derivatives, the create_graph second derivatives SSM / SSM-VR differentiate, finite
 differences (gradcheck / gradgradcheck), and the saved bytes it promises."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from src.callbacks.profiling import SavedTensorsMeter
-from src.models.ncsn_norm import instance_norm_plus, norm_act
+from src.layers.instance_norm import instance_norm_plus, norm_act
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -93,6 +93,7 @@ class DEQBlock(nn.Module):
         self.last_backward_stats: dict = {}
         self._warm: dict[tuple, torch.Tensor] = {}
         self._nonconverged = 0
+        self._penalties: list[torch.Tensor] = []
 
     # subclasses -------------------------------------------------------------------------------
     def map_params(self, x: torch.Tensor, *cond) -> tuple:
@@ -229,18 +230,47 @@ class DEQBlock(nn.Module):
             return z
         z0 = self._initial(x, params[0])
         if cfg.backward == "implicit":
-            z = fixed_point(phi, z0, params, self._solver_kwargs(), self._report)
+            z = z_star = fixed_point(phi, z0, params, self._solver_kwargs(), self._report, cfg.exact_orders,
+                                     cfg.phantom_steps)
         else:  # phantom gradient, Alg. 1
             detached = tuple(p.detach() for p in params)
             with record_function(PHASE_SOLVE):
                 result = solve(lambda u: phi(u, *detached), z0, **self._solver_kwargs())
             self._report(0, result)
-            z = result.z.detach()
+            z = z_star = result.z.detach()
             with record_function(PHASE_PHANTOM):
                 for _ in range(int(cfg.phantom_steps)):
                     z = phi(z, *params)
+        if float(cfg.jacobian_penalty) > 0 and self.training and torch.is_grad_enabled():
+            self._penalties.append(self.jacobian_penalty(x, z_star, *cond))
         self._remember(z)
         return z
+
+    def jacobian_penalty(self, x: torch.Tensor, z_star: torch.Tensor, *cond,
+                         eps: torch.Tensor | None = None) -> torch.Tensor:
+        """The Jacobian regulariser of Bai, Koltun & Kolter (2021, eq. 6 there): ‖εᵀ ∂f/∂z(z*)‖² / n with
+        ε ~ N(0, I) and n the number of ε's entries — an unbiased estimate of ‖J_f(z*)‖_F² per state entry —
+        on the first ``deq.jacobian_penalty_rows`` samples (0: all), differentiable w.r.t. the block's parameters
+        (the map is evaluated again on those rows at the detached z*, with its parameters p recomputed from
+        x and ``cond`` with autograd; z* itself is held fixed, as in the reference implementation). ``eps``: a
+        given probe (tests). Not scaled by ``deq.jacobian_penalty``: :meth:`pop_penalty` does."""
+        rows = int(self.config.jacobian_penalty_rows) or x.shape[0]
+        rows = min(rows, x.shape[0])
+        params = self.map_params(x[:rows], *(c[:rows] if torch.is_tensor(c) and c.dim() else c for c in cond))
+        with torch.enable_grad():
+            zs = z_star.detach()[:rows].requires_grad_(True)
+            fz = self.phi(zs, *params)
+            probe = torch.randn_like(fz) if eps is None else eps
+            (vjp,) = torch.autograd.grad(fz, zs, probe, create_graph=True)
+        return vjp.pow(2).sum() / probe.numel()
+
+    def pop_penalty(self) -> torch.Tensor | None:
+        """γ × the mean of the Jacobian penalties of the training forwards since the last call (None: none),
+        then forgets them; the LightningModule adds it to the training loss."""
+        if not self._penalties:
+            return None
+        terms, self._penalties = self._penalties, []
+        return float(self.config.jacobian_penalty) * torch.stack(terms).mean()
 
 
 # ------------------------------------------------------------------------------------------ blocks

@@ -47,6 +47,17 @@ class DEQConfig:
     # normalized by deq.norm); normalized_residual = the paper authors' code's block, (z + ResBlock(z))/w + x
     # with norms inside and w = 2‖K₁‖_F‖K₂‖_F (src.deq.block.NormalizedResidualDEQBlock).
     block: str | None = None
+    # Jacobian regularisation (Bai, Koltun & Kolter 2021, "Stabilizing Equilibrium Models by Jacobian
+    # Regularization"): γ·‖εᵀ ∂f/∂z‖²/n at the fixed point (ε ~ N(0, I), n = ε's entries; a Hutchinson estimate of
+    # ‖J_f‖_F² per state entry) added to the training loss, on the first ``jacobian_penalty_rows`` samples of the
+    # batch (0: all). 0 = off. It keeps f contracting where the backward alone does not (the phantom K = 1 backward
+    # ignores the recurrence in the derivatives, so nothing else stops training from pushing f past contraction 1).
+    # The implicit backward's exact orders: derivative orders through the DEQ whose adjoint fixed points are solved
+    # (None: every order); the adjoints of higher orders are phantom_steps-term Neumann series (src.deq.implicit).
+    # 1 with SSM-VR: the loss's input derivative exact, its parameter gradient truncated (no second-level solve).
+    exact_orders: int | None = None
+    jacobian_penalty: float = 0.0
+    jacobian_penalty_rows: int = 8
 
     def __post_init__(self):
         if self.solver not in SOLVERS:
@@ -83,6 +94,20 @@ class DEQConfig:
             raise ValueError(f"deq.phantom_steps must be >= 1 (K of Alg. 1), got {self.phantom_steps}")
         if float(self.tol) < 0:
             raise ValueError(f"deq.tol must be >= 0, got {self.tol}")
+        if self.exact_orders is not None:
+            if int(self.exact_orders) < 0:
+                raise ValueError(f"deq.exact_orders must be >= 0 (or null: every order exact), got {self.exact_orders}")
+            if self.backward != "implicit":
+                raise ValueError(f"deq.exact_orders={self.exact_orders} applies to deq.backward=implicit (the phantom "
+                                 "backward solves no adjoint): add deq.backward=implicit or drop deq.exact_orders")
+        if float(self.jacobian_penalty) < 0:
+            raise ValueError(f"deq.jacobian_penalty must be >= 0 (0: off), got {self.jacobian_penalty}")
+        if int(self.jacobian_penalty_rows) < 0:
+            raise ValueError(f"deq.jacobian_penalty_rows must be >= 0 (0: the whole batch), got "
+                             f"{self.jacobian_penalty_rows}")
+        if float(self.jacobian_penalty) > 0 and self.one_pass:
+            raise ValueError("deq.jacobian_penalty does not apply with deq.one_pass=true (no fixed point, no "
+                             "recurrence to keep contracting): drop one of them")
         if int(self.anderson_m) < 1:
             raise ValueError(f"deq.anderson_m must be >= 1, got {self.anderson_m}")
 

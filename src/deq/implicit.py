@@ -14,6 +14,13 @@ Each trap listed in docs/deq.md §6 is silent; this module avoids them by constr
 ``@once_differentiable`` (1), no hook-based adjoint (2), no ``detach`` of u* (3), the adjoint is a Function,
 not a bare no-grad solve (4), ``enable_grad`` in backward (5), aliases instead of the original tensors (6).
 
+Truncated higher orders (``exact_orders``): the adjoint of level k > ``exact_orders`` is not solved but taken as
+the K-term Neumann series v = Σ_{j<K} ((∂_u φ)ᵀ)ʲ ū, differentiable by plain autograd (K = 1: v = ū, the
+Jacobian-free step of Fung et al. 2022 at that level) — the phantom gradient (Alg. 1) of the adjoint fixed point.
+With ``exact_orders=1`` and an SSM-VR loss the loss's own input derivative (order 1) is exact and only its
+parameter gradient (order 2) is truncated, which skips the second-level solve, the costliest part of the step
+(each of its iterations is a double backward of φ: benchmarks/results/ncsn_deq_cost.md).
+
 Memory does not grow with solver iterations: the Function saves u* and p; each adjoint solve builds φ's
 graph once and runs one vector-Jacobian product per iteration on it (:meth:`_Adjoint.prepare`).
 """
@@ -49,18 +56,68 @@ class _Adjoint:
             (jtv,) = torch.autograd.grad(out, u, v, create_graph=True, allow_unused=True, materialize_grads=True)
         return u_bar + jtv
 
+    def depth(self) -> tuple[int, Callable]:
+        """(d, φ₀): this map is the level-d adjoint map of the base map φ₀ (d = 1: ψ of φ₀ itself)."""
+        d, base = 1, self.phi
+        while isinstance(base, _Adjoint):
+            d, base = d + 1, base.phi
+        return d, base
+
     def prepare(self, u_bar, u, *params) -> Callable:
-        """v ↦ ψ(v) for the no-grad solve: φ's graph is built once, each iteration is one VJP on it."""
-        with torch.enable_grad():
-            leaf = u.detach().requires_grad_(True)
-            out = self.phi(leaf, *(p.detach() for p in params))
+        """v ↦ ψ(v) for the no-grad solve, each iteration one product with the base map's Jacobian.
+
+        The level-d adjoint map is linear in v with the operator Jᵀ (d odd) or J (d even), J = ∂_u φ₀(u*; p) of
+        the base map φ₀ at the forward fixed point — whatever the nesting, because ψ_{d−1} is linear in its own
+        state. So the step is one VJP of φ₀ (d odd; its graph built once) or one forward-mode JVP of φ₀ (d even:
+        no graph at all), instead of a (d−1)-times nested backward through the graphs of the levels below (at
+        ncsn_mnist the level-2 solve of SSM-VR's parameter gradient took the largest share of the step:
+        benchmarks/results/ncsn_deq_cost.md). Here ``u`` is v_{d−1} and ``params`` = (ū_{d−1}, v_{d−2}, …, ū₁,
+        u*, *p). A base map that forward mode cannot run (a custom autograd Function without a JVP rule) may
+        offer ``forward_mode_map`` (the same map in plain ops); failing that, the JVP falls back to the double VJP.
+        """
+        d, base = self.depth()
+        u_star, base_params = (u, params) if d == 1 else (params[2 * (d - 1) - 1], params[2 * (d - 1):])
         u_bar = u_bar.detach()
+        if d % 2 == 0:
+            step = _jvp_step(getattr(base, "forward_mode_map", base), u_bar, u_star, base_params)
+            if step is not None:
+                return step
+        with torch.enable_grad():
+            leaf = u_star.detach().requires_grad_(True)
+            out = base(leaf, *(p.detach() for p in base_params))
+        if d % 2 == 0:  # J v as the VJP of u ↦ Jᵀu (the double-VJP trick): linear in u, so built once
+            with torch.enable_grad():
+                dummy = torch.zeros_like(out, requires_grad=True)
+                (jt_dummy,) = torch.autograd.grad(out, leaf, dummy, create_graph=True)
+
+            def step_j(v):
+                (jv,) = torch.autograd.grad(jt_dummy, dummy, v, retain_graph=True)
+                return u_bar + jv
+
+            return step_j
 
         def step(v):
             (jtv,) = torch.autograd.grad(out, leaf, v, retain_graph=True, allow_unused=True, materialize_grads=True)
             return u_bar + jtv
 
         return step
+
+
+def _jvp_step(base: Callable, u_bar, u_star, params) -> Callable | None:
+    """v ↦ ū + J v by forward-mode AD of ``base`` at u* (None when forward mode cannot run it)."""
+    from torch.func import jvp
+
+    u_star = u_star.detach()
+    detached = tuple(p.detach() for p in params)
+
+    def step(v):
+        return u_bar + jvp(lambda z: base(z, *detached), (u_star,), (v,))[1]
+
+    try:
+        step(torch.zeros_like(u_star))
+    except (RuntimeError, NotImplementedError):
+        return None
+    return step
 
 
 def _prepared(phi: Callable, params: tuple) -> Callable:
@@ -70,16 +127,18 @@ def _prepared(phi: Callable, params: tuple) -> Callable:
 
 
 class _FixedPoint(torch.autograd.Function):
-    """u* = φ(u*; p). Inputs: (φ, solver kwargs, report, level, z0, *p). Output: u*."""
+    """u* = φ(u*; p). Inputs: (φ, solver kwargs, report, level, truncation, z0, *p). Output: u*.
+    ``truncation``: ``(exact_orders, terms)`` — adjoints of level > exact_orders are ``terms``-term Neumann series
+    (``exact_orders`` None: every level solved)."""
 
     @staticmethod
-    def forward(ctx, phi, solver, report, level, z0, *params):
+    def forward(ctx, phi, solver, report, level, truncation, z0, *params):
         with torch.no_grad(), record_function(PHASE_SOLVE if level == 0 else PHASE_IMPLICIT_BACKWARD):
             result = solve(_prepared(phi, params), z0, **solver)
         if report is not None:
             report(level, result)
         u = result.z
-        ctx.phi, ctx.solver, ctx.report, ctx.level = phi, solver, report, level
+        ctx.phi, ctx.solver, ctx.report, ctx.level, ctx.truncation = phi, solver, report, level, truncation
         ctx.save_for_backward(u, *params)  # u as an output: it comes back attached to this node
         return u
 
@@ -87,25 +146,35 @@ class _FixedPoint(torch.autograd.Function):
     def backward(ctx, u_bar):
         u, *params = ctx.saved_tensors
         create_graph = torch.is_grad_enabled()  # True iff the caller asked for create_graph
-        wanted = [i for i, need in enumerate(ctx.needs_input_grad[5:]) if need]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
+        exact_orders, terms = ctx.truncation
         with torch.enable_grad(), record_function(PHASE_IMPLICIT_BACKWARD):
             aliases = [p.view_as(p) for p in params]
-            v = _FixedPoint.apply(_Adjoint(ctx.phi), ctx.solver, ctx.report, ctx.level + 1,
-                                  u_bar.detach(), u_bar, u, *aliases)
+            if exact_orders is not None and ctx.level + 1 > int(exact_orders):  # truncated: Neumann series
+                psi = _Adjoint(ctx.phi)
+                v = u_bar
+                for _ in range(int(terms) - 1):
+                    v = psi(v, u_bar, u, *aliases)
+            else:
+                v = _FixedPoint.apply(_Adjoint(ctx.phi), ctx.solver, ctx.report, ctx.level + 1, ctx.truncation,
+                                      u_bar.detach(), u_bar, u, *aliases)
             out = ctx.phi(u, *aliases)  # partial VJP in p, u* held (and attached)
             grads = torch.autograd.grad(out, [aliases[i] for i in wanted], v, create_graph=create_graph,
                                         allow_unused=True)
         p_bar = [None] * len(params)
         for i, g in zip(wanted, grads):
             p_bar[i] = g
-        return (None, None, None, None, None, *p_bar)
+        return (None, None, None, None, None, None, *p_bar)
 
 
-def fixed_point(phi: Callable, z0: torch.Tensor, params: tuple, solver: dict, report: Report | None = None):
+def fixed_point(phi: Callable, z0: torch.Tensor, params: tuple, solver: dict, report: Report | None = None,
+                exact_orders: int | None = None, terms: int = 1):
     """u* = φ(u*, *params), differentiable to every order w.r.t. ``params`` by implicit differentiation.
 
     ``phi(z, *params)`` must be a pure function of its tensor arguments; ``solver`` holds the keyword
     arguments of :func:`src.deq.solvers.solve`; ``report(level, result)`` is called after every solve
-    (level 0 forward, level k ≥ 1 the k-th nested adjoint) for statistics and warnings.
+    (level 0 forward, level k ≥ 1 the k-th nested adjoint) for statistics and warnings. ``exact_orders``: the
+    derivative orders solved exactly (None: all); the adjoints of higher orders are ``terms``-term Neumann series
+    (see the module docstring).
     """
-    return _FixedPoint.apply(phi, solver, report, 0, z0.detach(), *params)
+    return _FixedPoint.apply(phi, solver, report, 0, (exact_orders, int(terms)), z0.detach(), *params)

@@ -7,7 +7,10 @@ small classes (no closures): blocks that hold them stay picklable (DDP).
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
+
+from src.layers.instance_norm import norm_act
 
 
 def dense_map(z, inj, w1, *rest):
@@ -112,10 +115,28 @@ class NormalizedResidualMap:
 
     additive_injection = True  # φ(z) = h(z) + x: src.deq.diagnostics reports ‖h(z*)‖ / ‖x‖
 
-    def __init__(self, padding: int):
+    def __init__(self, padding: int, recompute: bool = True):
         self.padding = padding
+        # ELU(IN(·)) by the recomputing norm (src.layers.instance_norm.norm_act with α = 0: instance norm++ without
+        # its channel-means term is the instance norm): it saves only its input for backward and recomputes the
+        # rest, at every derivative order. The exact second-order path of SSM-VR builds φ's graph and its
+        # create_graph backward at every level of the implicit backward, and with plain ops the norms kept six
+        # full-size tensors each there: at ncsn_mnist recomputing cut the record block's step from 601 to
+        # 414-427 MB saved and 1.72 to 1.39-1.45 s (benchmarks/results/ncsn_deq_cost.md). False: plain ops.
+        self.recompute = bool(recompute)
+
+    @property
+    def forward_mode_map(self) -> NormalizedResidualMap:
+        """The same map in plain ops, for forward-mode AD (the recomputing norm has no JVP rule): the implicit
+        backward's even-level adjoint solves step with J v by a JVP (src.deq.implicit)."""
+        return NormalizedResidualMap(self.padding, recompute=False)
+
+    def _norm_elu(self, z, gamma, beta):
+        if self.recompute and z.shape[1] > 1:  # the channel-means term needs ≥ 2 channels (it is 0 here anyway)
+            return norm_act(z, gamma, torch.zeros_like(gamma), beta, act=True)
+        return F.elu(instance_norm(z, gamma, beta))
 
     def __call__(self, z, inj, g1, b1, k1, g2, b2, k2, inv_w):
-        h = F.conv2d(F.elu(instance_norm(z, g1, b1)), k1, padding=self.padding)
-        h = F.conv2d(F.elu(instance_norm(h, g2, b2)), k2, padding=self.padding)
+        h = F.conv2d(self._norm_elu(z, g1, b1), k1, padding=self.padding)
+        h = F.conv2d(self._norm_elu(h, g2, b2), k2, padding=self.padding)
         return (z + h) * inv_w + inj

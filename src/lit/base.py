@@ -224,4 +224,4 @@ class ScoreMatchingModule(DeqsmModule):
         self.log("train/loss", out.loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
         for name, value in out.parts.items():
             self.log(f"train/{name}", value, on_step=False, on_epoch=True, batch_size=x.shape[0])
-        return out.loss
+        return self.with_deq_penalty(out.loss, x.shape[0])

@@ -37,6 +37,17 @@ class DEQMonitorMixin:
         name = self.loss_name
         return not (name == "mle" or (self.outputs_score and name == "dsm"))
 
+    def with_deq_penalty(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
+        """``loss`` plus the Jacobian regularisers of the module's DEQ blocks since the last call (``deq.
+        jacobian_penalty`` > 0: :meth:`src.deq.block.DEQBlock.jacobian_penalty`), logged as
+        ``train/deq_jacobian_penalty``; ``loss`` itself when no block has one."""
+        terms = [t for _, block in blocks_of(self) if (t := block.pop_penalty()) is not None]
+        if not terms:
+            return loss
+        penalty = torch.stack(terms).sum()
+        self.log("train/deq_jacobian_penalty", penalty.detach(), on_step=True, on_epoch=True, batch_size=batch_size)
+        return loss + penalty
+
     def on_fit_start(self) -> None:
         self._deq_inputs = {}
         if not self.deq_input_rows:  # the family measures its rate on other inputs (NCSN: validation images)

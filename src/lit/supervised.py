@@ -82,6 +82,7 @@ class SupervisedLitModule(DeqsmModule):
         if not any(p.requires_grad for p in self.parameters()):  # a frozen construction: evaluate only
             self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=x.shape[0])
             return None
+        loss = self.with_deq_penalty(loss, x.shape[0])
         self.check_finite(loss)
         if isinstance(self.net, DiagonalLinearDEQ) and self.optimizer_cfg.get("name") == "sgd":
             r = (pred - y).detach().reshape(-1).double()

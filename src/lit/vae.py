@@ -117,7 +117,7 @@ class VAELitModule(DeqsmModule):
             with torch.no_grad():
                 z = self.encoder(x)
             out = self.objective(ConditionalScore(self.score_net, x), z)
-            self.manual_update("score", out.loss)
+            self.manual_update("score", self.with_deq_penalty(out.loss, x.shape[0]))
         z = self.encoder(x)
         with torch.no_grad():
             s = self.score_net(z.detach(), x)

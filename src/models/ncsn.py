@@ -40,7 +40,7 @@ from torch import nn
 from src.config.deq import deq_setting, resolve_depth
 from src.deq.block import ConditionalResidualDEQBlock, NormalizedResidualDEQBlock, ResidualDEQBlock
 from src.deq.config import DEQConfig
-from src.models.ncsn_norm import norm_act
+from src.layers.instance_norm import norm_act
 
 ARCHS = ("refinenet", "deq")
 CONDITIONINGS = ("cond_norm", "sigma")
@@ -61,7 +61,7 @@ class ConditionalInstanceNorm2dPlus(nn.Module):
     """CIN++ (NCSN): instance norm plus the normalised channel-means term, γ/α/β embedded per label.
 
     Initialisation as NCSN: γ, α ~ N(1, 0.02²), β = 0 (``bias=False`` drops β). ``norm(x, labels, act=True)``
-    is ELU(CIN++(x)) (:func:`src.models.ncsn_norm.norm_act`: only x is saved for backward; ``recompute = False``
+    is ELU(CIN++(x)) (:func:`src.layers.instance_norm.norm_act`: only x is saved for backward; ``recompute = False``
     on an instance gives the plain autograd map, for comparisons).
     """
 

@@ -5,7 +5,7 @@
 each network in both conditionings (``model.conditioning``: ``cond_norm``, NCSN-v1's CIN++ with a row per
 level; ``sigma``, NCSNv2's unconditional network with output / σ) and, as the *before* row, ``cond_norm`` with
 the plain autograd instance norm++ (the norms' ``recompute`` switched off: the step as it was before the
-recomputing norm of ``src/models/ncsn_norm.py``). Per row: parameters, bytes saved for backward over one whole
+recomputing norm of ``src/layers/instance_norm.py``). Per row: parameters, bytes saved for backward over one whole
 training step (``NCSNLitModule.training_step`` itself, run outside a Trainer by ``benchmarks.lib.step.training_step``: loss
 with its create_graph gradient, backward, Adam), max RSS of the process, wall and CPU seconds per step, DEQ
 solver iterations. Each row runs in its own process (``--worker``), so max RSS is that row's; ``--rounds 2``

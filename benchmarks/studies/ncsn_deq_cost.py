@@ -1,0 +1,353 @@
+"""Where the NCSN DEQ's training step spends its time and bytes, and what the routes to a cheaper recurring block
+cost and give (issue: "recurrence at the cost of one residual block").
+
+**Step cost** (``cost``): the ``experiment=ncsn_mnist`` training step (batch 64, ngf 16, SSM-VR, real MNIST
+batches from ``--root``), the module's own ``training_step`` outside a Trainer (:mod:`benchmarks.lib.step`), one
+arm per process, ``--rounds`` rounds with the arm order reversed every other round, ``--warmup`` + ``--steps``
+steps each. Per arm: median seconds per step, bytes autograd saves for backward over the step (distinct storages,
+the meter of ``src.callbacks.profiling``), forward solver iterations, and *by phase*: the implicit backward's
+nested levels (level 0 the forward solve; level 1 the adjoint solve run inside the objective's create_graph
+derivative ∇ₓ(vᵀs); level 2 the adjoint of that adjoint, run by the loss's backward to the parameters), timed and
+with the bytes saved while each runs (the rest of the network is "outside the DEQ's solves").
+
+**Frontier** (``frontier``): 300-step runs at batch 32 of each route (the candidates protocol of
+``benchmarks.studies.deq_recurrence``: ``experiment=ncsn_mnist data.batch_size=32``, validation at step 300), read
+from their run directories: recurrence share, contraction, solver iterations, cap hits, validation DSM, and the
+training loss curve (a route that diverges shows it there).
+
+    python -m benchmarks.studies.ncsn_deq_cost cost --root <data dir> [--arms record,twores] [--rounds 2]
+    python -m benchmarks.studies.ncsn_deq_cost frontier --runs <dir with one run dir per arm>
+    python -m benchmarks.studies.ncsn_deq_cost --render
+
+Writes ``benchmarks/results/ncsn_deq_cost.{json,md}`` (each call replaces its own section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import csv
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.lib.jobs import run_process, thread_env
+from benchmarks.lib.results import (
+    DATA_ROOT,
+    machine_facts,
+    note_lines,
+    rendered,
+    result_options,
+    script_command,
+)
+
+MODULE = "benchmarks.studies.ncsn_deq_cost"
+STEM = "ncsn_deq_cost"
+BASE = ["experiment=ncsn_mnist", "logger=none"]
+RECORD = "deq=true"  # experiment=ncsn_mnist's DEQ of record (conf/experiment/ncsn_mnist.yaml)
+# arm: (overrides, what it is). "plain_norms" switches the record map's recomputing norms off (the step before it).
+ARMS = {
+    "twores": ("deq=false depth=1", "TwoRes: one plain ResBlock where the DEQ block is"),
+    "refinenet": ("model.arch=refinenet", "RefineNet (no DEQ)"),
+    "paper": ("deq=true deq.block=null deq.norm=frobenius deq.norm_lambda=2 deq.backward=phantom",
+              "the paper's DEQ-ResBlock, phantom K = 2 (near-inert: share 0.08 %)"),
+    "one_pass": ("deq=true deq.one_pass=true", "the record's one-pass control φ(0)"),
+    "record_plain_norms": (RECORD, "the record (normalised ResBlock, exact implicit backward) with plain-op norms"),
+    "record": (RECORD, "the record: normalised ResBlock, exact implicit backward, recomputing norms"),
+    "record_anderson": (f"{RECORD} deq.solver=anderson", "the record with Anderson for every solve"),
+    "exact_orders_1": (f"{RECORD} deq.exact_orders=1 deq.phantom_steps=1",
+                       "the record, order-2 adjoint truncated to one Neumann term (no level-2 solve)"),
+    "phantom_k1": (f"{RECORD} deq.backward=phantom deq.phantom_steps=1", "the record block, phantom K = 1"),
+    "phantom_k1_jr": (f"{RECORD} deq.backward=phantom deq.phantom_steps=1 deq.jacobian_penalty=100",
+                      "phantom K = 1 + Jacobian penalty γ = 100 on 8 rows"),
+}
+MB = 2**20
+# The paper authors' code's CIFAR-10 SSM-VR settings (benchmarks/lib/step_cost/ncsn.py, ncsn_memory.md's first table):
+# 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, Gaussian projections, cond_norm; uniform images, seeded.
+AUTHORS_ARMS = {  # arm: (arch, deq, depth, deq overrides of benchmarks.lib.step_cases.deq_settings)
+    "twores": ("deq", False, 1, {}),
+    "record_plain_norms": ("deq", True, None, {"block": "normalized_residual", "backward": "implicit", "norm": None,
+                                               "norm_lambda": None, "tol": 1e-4, "stop_mode": "rel"}),
+    "record": ("deq", True, None, {"block": "normalized_residual", "backward": "implicit", "norm": None,
+                                   "norm_lambda": None, "tol": 1e-4, "stop_mode": "rel"}),
+    "paper": ("deq", True, None, {"tol": 1e-4, "stop_mode": "rel"}),
+}
+
+
+# ------------------------------------------------------------------------------------------ one arm (worker)
+class _Phases:
+    """Times and saved bytes of the implicit backward's levels: wraps ``_FixedPoint.forward`` / ``backward`` (a
+    measurement of this process only) and tags every saved tensor with the innermost level running."""
+
+    def __init__(self):
+        from src.deq import implicit
+
+        self.stack = ["outside the DEQ's solves"]
+        self.seconds = collections.defaultdict(float)
+        fwd, bwd = implicit._FixedPoint.forward, implicit._FixedPoint.backward
+        phases = self
+
+        def forward(ctx, phi, solver, report, level, truncation, z0, *params):
+            name = "forward solve (level 0)" if level == 0 else f"adjoint solve, level {level}"
+            with phases.phase(name):
+                return fwd(ctx, phi, solver, report, level, truncation, z0, *params)
+
+        def backward(ctx, u_bar):
+            with phases.phase(f"backward of level {ctx.level} (VJP in p, nested solves)"):
+                return bwd(ctx, u_bar)
+
+        implicit._FixedPoint.forward = staticmethod(forward)
+        implicit._FixedPoint.backward = staticmethod(backward)
+
+    @contextlib.contextmanager
+    def phase(self, name):
+        self.stack.append(name)
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0  # inclusive of nested phases
+            self.stack.pop()
+
+
+def worker(spec: dict) -> dict:
+    """One arm, in this process: warm-up and timed steps on MNIST batches; returns its record."""
+    import torch
+
+    from benchmarks.lib.config import train_config
+    from benchmarks.lib.step import trainer_free, training_step
+    from src.runs.build import build
+
+    torch.set_num_threads(int(spec["threads"]))
+    phases = _Phases()
+    torch.manual_seed(0)
+    if spec.get("setting") == "authors":
+        from benchmarks.lib.step_cost.ncsn import AUTHORS_SETTINGS
+        from benchmarks.lib.step_cost.ncsn import build as build_ncsn
+
+        arch, deq, depth, overrides = AUTHORS_ARMS[spec["arm"]]
+        module = build_ncsn(arch, deq, depth, 128, "cpu", overrides, **AUTHORS_SETTINGS)
+        g = torch.Generator().manual_seed(0)
+        batches = iter([torch.rand(4, 3, 32, 32, generator=g) for _ in range(64)])
+    else:
+        cfg = train_config([*BASE, f"data.root={spec['root']}", *spec["overrides"].split()])
+        module = build(cfg.model)
+        dm = build(cfg.data)
+        dm.setup("fit")
+        batches = iter(dm.train_dataloader())
+    if spec["arm"] == "record_plain_norms":
+        for m in module.modules():
+            if hasattr(m, "phi") and hasattr(m.phi, "recompute"):
+                m.phi.recompute = False
+    optimizers = trainer_free(module)
+    block = module.net.deq_block() if hasattr(module.net, "deq_block") else None
+    steps = []
+    for k in range(int(spec["warmup"]) + int(spec["steps"])):
+        batch = next(batches)
+        phases.seconds.clear()
+        seen, by_phase = set(), collections.Counter()
+
+        def pack(t, seen=seen, by_phase=by_phase):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                by_phase[phases.stack[-1]] += storage.nbytes()
+            return t
+
+        t0 = time.perf_counter()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            training_step(module, batch, optimizers)
+        seconds = time.perf_counter() - t0
+        if k >= int(spec["warmup"]):
+            stats = block.last_stats if block is not None else {}
+            steps.append({"s": seconds, "saved_MB": sum(by_phase.values()) / MB,
+                          "saved_MB_by_phase": {p: b / MB for p, b in by_phase.items()},
+                          "seconds_by_phase": dict(phases.seconds), "iterations": stats.get("iterations"),
+                          "adjoint": dict(block.last_backward_stats) if block is not None else {}})
+    return {"arm": spec["arm"], "steps": steps, "params": sum(p.numel() for p in module.parameters())}
+
+
+# ------------------------------------------------------------------------------------------ sections
+def run_cost(args) -> dict:
+    known = AUTHORS_ARMS if args.section == "authors" else ARMS
+    arms = args.arms.split(",") if args.arms else list(known)
+    unknown = [a for a in arms if a not in known]
+    if unknown:
+        raise SystemExit(f"unknown arm(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+    records: dict[str, list] = collections.defaultdict(list)
+    for r in range(args.rounds):
+        for arm in (arms if r % 2 == 0 else arms[::-1]):
+            spec = {"arm": arm, "overrides": ARMS[arm][0], "root": args.root, "threads": args.threads,
+                    "warmup": args.warmup, "steps": args.steps, "setting": args.section}
+            print(f"round {r + 1}/{args.rounds}: {arm} …", flush=True)
+            ran = run_process([sys.executable, "-m", MODULE, "--worker", json.dumps(spec)], thread_env(args.threads))
+            if ran["code"] != 0:
+                raise SystemExit(f"{arm} failed:\n{ran['tail']}")
+            rec = json.loads(ran["stdout"].strip().splitlines()[-1])
+            records[arm].extend(rec["steps"])
+            print(f"  {statistics.median(s['s'] for s in rec['steps']):.3f} s/step, "
+                  f"{max(s['saved_MB'] for s in rec['steps']):.1f} MB saved", flush=True)
+    rows = {}
+    for arm, steps in records.items():
+        last = steps[-1]
+        phases = sorted({p for s in steps for p in s["seconds_by_phase"]})
+        shown = ARMS[arm][0] if args.section == "cost" else (
+            "deq=false depth=1" if not AUTHORS_ARMS[arm][1] else
+            " ".join(f"deq.{k}={'null' if v is None else v}" for k, v in AUTHORS_ARMS[arm][3].items()))
+        rows[arm] = {"overrides": shown, "what": ARMS[arm][1], "steps": len(steps),
+                     "s_per_step": statistics.median(s["s"] for s in steps),
+                     "saved_MB": statistics.median(s["saved_MB"] for s in steps),
+                     "iterations": statistics.mean(s["iterations"] for s in steps) if last["iterations"] else None,
+                     "adjoint_iterations": statistics.mean(s["adjoint"]["iterations"] for s in steps)
+                     if last["adjoint"] else None,
+                     "seconds_by_phase": {p: statistics.median(s["seconds_by_phase"].get(p, 0.0) for s in steps)
+                                          for p in phases},
+                     "saved_MB_by_phase": last["saved_MB_by_phase"]}
+    base = ("the authors' CIFAR-10 SSM-VR settings: 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, Gaussian "
+            "projections, uniform images" if args.section == "authors" else " ".join(BASE))
+    return {"meta": {"command": args.command, "machine": machine_facts(), "threads": args.threads,
+                     "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
+                     "base": base, "note": _note(args)}, "rows": rows}
+
+
+def read_run(run_dir: Path) -> dict:
+    """A 300-step frontier run's figures: the last validation's DEQ keys and DSM, cap hits, the loss curve."""
+    rows = []
+    for log in sorted(run_dir.glob("csv/version_*/metrics.csv"))[-1:]:
+        with log.open() as fh:
+            rows = list(csv.DictReader(fh))
+    val = [r for r in rows if r.get("val/dsm_loss")]
+    last = val[-1] if val else {}
+    loss = [(int(r["step"]), float(r["train/loss_step"])) for r in rows if r.get("train/loss_step")]
+    caps = sum(float(r["profile/deq_hit_cap"]) for r in rows if r.get("profile/deq_hit_cap"))
+    its = [float(r["profile/deq_iterations"]) for r in rows if r.get("profile/deq_iterations")]
+    overrides = (run_dir / ".hydra" / "overrides.yaml")
+    from omegaconf import OmegaConf
+
+    cmd = list(OmegaConf.load(overrides)) if overrides.exists() else []
+    cmd = [c for c in cmd if not c.startswith(("data.root=", "hydra.run.dir="))]
+
+    def num(key):
+        return float(last[key]) if last.get(key) else None
+
+    return {"command": "python -m src.train " + " ".join([*cmd, "data.root=<data dir>"]),
+            "last_step": loss[-1][0] + 1 if loss else 0, "val_dsm": num("val/dsm_loss"),
+            "share": num("val/deq_recurrence_share"), "contraction": num("val/deq_contraction_rate"),
+            "logged_cap_hits": caps, "max_iterations": max(its) if its else None,
+            "loss_curve": loss}
+
+
+def run_frontier(args) -> dict:
+    runs = {}
+    for run_dir in sorted(Path(args.runs).iterdir()):
+        if run_dir.is_dir() and (run_dir / "csv").exists():
+            runs[run_dir.name] = read_run(run_dir)
+    return {"meta": {"command": args.command, "note": _note(args)}, "runs": runs}
+
+
+def _note(args) -> str | None:
+    return Path(args.note).read_text() if args.note else None
+
+
+# ------------------------------------------------------------------------------------------ render
+def _f(v, digits=2):
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def _cost_lines(cost: dict, title: str) -> list[str]:
+    """The table and phase lines of one step-cost section (``cost``: ncsn_mnist; ``authors``: the authors' CIFAR-10
+    settings)."""
+    from src.reports.tables import markdown_table
+
+    meta, rows = cost["meta"], cost["rows"]
+    lines = [title.format(base=meta["base"]), "",
+             (f"`{meta['command']}` — {meta['machine']}. Each arm in its own process, {meta['rounds']} "
+              f"round(s) (order reversed every other round), {meta['warmup']} warm-up + {meta['steps']} timed "
+              "steps a round; medians over the timed steps. *saved* = bytes autograd saves for backward over the "
+              "whole step (distinct storages). The machine is shared (2 cores, other jobs): read ratios of arms "
+              "measured in the same call, not absolute seconds."), ""]
+    lines += note_lines(meta)
+    base = rows.get("twores")
+    head = ["arm", "overrides", "s/step", "× TwoRes", "saved MB", "× TwoRes", "fwd iters", "adjoint iters"]
+    body = []
+    for arm, r in rows.items():
+        body.append([arm, f"`{r['overrides']}`", _f(r["s_per_step"], 3),
+                     _f(r["s_per_step"] / base["s_per_step"]) if base else "–", _f(r["saved_MB"], 1),
+                     _f(r["saved_MB"] / base["saved_MB"]) if base else "–", _f(r["iterations"], 1),
+                     _f(r["adjoint_iterations"], 1)])
+    lines += markdown_table(head, body) + [""]
+    lines += [("By phase (the median seconds inside each, nested phases included; MB saved while it ran, of one "
+              "step):"), ""]
+    for arm, r in rows.items():
+        if len(r["saved_MB_by_phase"]) <= 1:
+            continue
+        parts = [f"{p}: {_f(r['seconds_by_phase'].get(p), 3)} s, {_f(r['saved_MB_by_phase'].get(p, 0.0), 1)} MB"
+                 for p in sorted(set(r["seconds_by_phase"]) | set(r["saved_MB_by_phase"]))]
+        lines.append(f"- **{arm}** — " + "; ".join(parts))
+    lines.append("")
+    return lines
+
+
+def render(res: dict) -> str:
+    lines = ["# The NCSN DEQ's step: where time and bytes go, and the routes to a cheaper recurring block", ""]
+    for section, title in (("cost", "## Step cost at `{base}` (batch 64, ngf 16, SSM-VR, MNIST batches)"),
+                           ("authors", "## Step cost at {base}")):
+        if section in res:
+            lines += _cost_lines(res[section], title)
+    frontier = res.get("frontier")
+    if frontier:
+        meta = frontier["meta"]
+        lines += ["## The routes over 300 steps (batch 32, validation at step 300)", "",
+                  f"`{meta['command']}` reads the runs below (each its `src.train` command).", ""]
+        lines += note_lines(meta)
+        head = ["run", "steps run", "val DSM", "share", "contraction", "max iters (logged)", "logged steps at the cap",
+                "training loss (every 50 steps, and the last)"]
+        body = []
+        for name, r in frontier["runs"].items():
+            curve = ", ".join(f"{v:.0f}" for s, v in r["loss_curve"] if (s + 1) % 50 == 0 or s + 1 == r["last_step"])
+            body.append([name, str(r["last_step"]), _f(r["val_dsm"]), _f(r["share"], 4), _f(r["contraction"], 3),
+                         _f(r["max_iterations"], 0), _f(r["logged_cap_hits"], 0), curve])
+        from src.reports.tables import markdown_table
+
+        lines += markdown_table(head, body) + [""]
+        lines += ["Commands:", ""] + [f"- {name}: `{r['command']}`" for name, r in frontier["runs"].items()] + [""]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("section", nargs="?", choices=("cost", "authors", "frontier"))
+    ap.add_argument("--root", default=str(DATA_ROOT), help="data.root (MNIST)")
+    ap.add_argument("--arms", default="", help=f"cost: comma-separated arms (default all: {', '.join(ARMS)})")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs", type=Path, default=None, help="frontier: a folder of 300-step run directories")
+    ap.add_argument("--note", default=None, help="a markdown file: a finding, written below the section's table")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    result_options(ap)
+    args = ap.parse_args(argv)
+    if args.worker:
+        print(json.dumps(worker(json.loads(args.worker))), flush=True)
+        return
+    if rendered(args, STEM, render):
+        return
+    if args.section is None:
+        ap.error("give a section (cost | authors | frontier) or --render")
+    placeholders = {str(args.runs): "<runs dir>"} if args.runs else None
+    args.command = script_command(MODULE, argv, data_root=args.root, placeholders=placeholders)
+    from src.reports.tables import load_results, write_results
+
+    res = load_results(args.out, STEM)
+    res[args.section] = run_frontier(args) if args.section == "frontier" else run_cost(args)
+    write_results(args.out, STEM, res, render)
+    print(render(res))
+
+
+if __name__ == "__main__":
+    main()
