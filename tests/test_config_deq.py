@@ -62,7 +62,12 @@ def test_a_family_refuses_another_familys_block_and_one_pass_needs_a_deq():
     from src.config.deq import check_block
 
     ncsn = deq_setting({"enabled": True, "block": "normalized_residual"}, "ncsn")
-    assert ncsn.block == "normalized_residual" and check_block("ncsn", ncsn) is ncsn
+    assert ncsn.block == "normalized_residual" and block_config(ncsn, "ncsn") is ncsn
+    check_block("ncsn", "normalized_residual")  # no error
+    # the family is checked before the other keys: with the family's own norm set (model=dkef's spectral default)
+    # the message is about the block, not about norm not applying to it
+    with pytest.raises(ValueError, match=r"^deq.block=normalized_residual is a block of model=ncsn only: model=dkef"):
+        deq_setting({"enabled": True, "block": "normalized_residual", "norm": "spectral", "norm_lambda": 2.0}, "dkef")
     for family in ("dkef", "nice", "vae", "supervised"):
         with pytest.raises(ValueError) as info:
             deq_setting({"enabled": True, "block": "normalized_residual"}, family)

@@ -151,7 +151,8 @@ def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
             return self.injection(x)
 
     monkeypatch.setitem(sys.modules, "src.deq.block", types.SimpleNamespace(DenseDEQBlock=DenseDEQBlock))
-    monkeypatch.setitem(sys.modules, "src.deq.config", types.SimpleNamespace(DEQConfig=DEQConfig))
+    monkeypatch.setitem(sys.modules, "src.deq.config",
+                        types.SimpleNamespace(DEQConfig=DEQConfig, INJECTIONS=("linear", "softplus")))
     model = NICE(dim=9, coupling_net=deq_coupling_factory(6, {"enabled": True, "tol": 1e-9}, n_layers=2)).double()
     assert [m.block.args for m in model.couplings] == [
         (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.0", "softplus"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.1", "softplus"),

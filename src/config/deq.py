@@ -47,12 +47,14 @@ def deq_setting(deq: Any, family: str | None = None) -> DEQConfig | None:
     """The ``deq`` config group → ``DEQConfig`` (``enabled: true``) or ``None`` (``enabled: false``, or no group).
 
     The one place that reads ``deq.enabled``; the other keys are checked by ``DEQConfig`` (one-line errors), and
-    with ``family`` given (``dkef``, ``nice``, …) a ``deq.block`` that family cannot build is refused too
+    with ``family`` given (``dkef``, ``nice``, …) a ``deq.block`` that family cannot build is refused first
     (:func:`check_block`). ``deq=false`` with ``deq.one_pass=true`` is refused: the one-pass control replaces a
     DEQ's fixed point, and explicit layers have none (the other solver keys stay valid with ``deq=false``, so
     that sweeps over ``deq=true,false`` keep them)."""
-    if deq is None or isinstance(deq, _deq_config_class()):
-        return check_block(family, deq)
+    if deq is None:
+        return None
+    if isinstance(deq, _deq_config_class()):
+        return block_config(deq, family)
     cfg = plain(deq)
     if not isinstance(cfg, Mapping):
         raise ValueError(f"deq={deq!r}: give the deq config group (deq=true or deq=false, then deq.<key>=<value>)")  # noqa: TRY004
@@ -67,23 +69,26 @@ def deq_setting(deq: Any, family: str | None = None) -> DEQConfig | None:
 def block_config(deq: Any, family: str | None = None) -> DEQConfig:
     """The solver keys of a ``deq`` mapping as a ``DEQConfig`` (a ``DEQConfig`` passes through, ``None`` gives the
     defaults), for code that builds a DEQ block by construction (``DEQNet``, NCSN's DEQ-ResBlock): it does not
-    ask whether the DEQ is on — :func:`deq_setting` does, before. ``family``: refuse a block it cannot build."""
+    ask whether the DEQ is on — :func:`deq_setting` does, before. ``family``: refuse a block it cannot build
+    (before the other keys are checked, whose messages assume the block is possible)."""
     config_class = _deq_config_class()
     if isinstance(deq, config_class):
-        return check_block(family, deq)
+        check_block(family, deq.block)
+        return deq
     cfg = dict(plain(deq) or {})
     cfg.pop("enabled", None)
-    return check_block(family, config_class(**cfg))
+    check_block(family, cfg.get("block"))
+    return config_class(**cfg)
 
 
-def check_block(family: str | None, config: DEQConfig | None) -> DEQConfig | None:
-    """``config``, when ``family`` can build its ``deq.block`` (:data:`FAMILY_BLOCKS`; any block when ``family`` or
-    ``config`` is None); else a one-line ``ValueError`` naming the keys."""
-    if family is None or config is None or config.block is None or config.block in FAMILY_BLOCKS.get(family, ()):
-        return config
-    owners = [f"model={f}" for f, blocks in FAMILY_BLOCKS.items() if config.block in blocks]
-    raise ValueError(f"deq.block={config.block} is a block of {', '.join(owners)} only: model={family} has its own "
-                     "DEQ block, so drop deq.block (or set deq.block=null)")
+def check_block(family: str | None, block: str | None) -> None:
+    """Refuse ``deq.block`` when ``family`` cannot build it (:data:`FAMILY_BLOCKS`; nothing is refused when
+    ``family`` or ``block`` is None), in one line naming the keys."""
+    if family is None or block is None or block in FAMILY_BLOCKS.get(family, ()):
+        return
+    owners = [f"model={f}" for f, blocks in FAMILY_BLOCKS.items() if block in blocks]
+    raise ValueError(f"deq.block={block} is a block of {', '.join(owners) or 'no model family'} only: model={family} "
+                     "has its own DEQ block, so drop deq.block (or set deq.block=null)")
 
 
 @dataclass(frozen=True)
