@@ -130,3 +130,28 @@ def test_normalized_residual_block_penalty_matches_autograd_jacobian():
     jac = torch.autograd.functional.jacobian(lambda z: block.phi(z, *params), z_star).reshape(64, 64)
     ref = (eps.reshape(1, 64) @ jac).pow(2).sum().item() / 64
     assert ours == pytest.approx(ref, rel=1e-10)
+
+
+def test_dkef_training_loss_carries_the_penalty_and_takes_the_autograd_route():
+    """A DKEF with a penalised DEQ: the jet route (which bypasses the block's forward) is not taken, and the
+    training step returns the objective plus the logged γ × penalty, whose gradient reaches the DEQ weights."""
+    from src.deq.lookup import blocks_of
+    from src.lit.dkef import DKEFLitModule
+
+    torch.manual_seed(0)
+    module = DKEFLitModule(3, loss={"name": "sm"}, deq={"enabled": True, "jacobian_penalty": 2.0,
+                                                        "jacobian_penalty_rows": 0}, depth=None, n_inducing=8,
+                           deq_width=6)
+    assert not module.net.jets_supported()
+    module.train()
+    logged = {}
+    module.log = lambda name, value, **kw: logged.__setitem__(name, value)
+    total = module.training_step(torch.randn(16, 3), 0)
+    penalty = logged["train/deq_jacobian_penalty"]
+    assert penalty.item() > 0
+    assert total.item() == pytest.approx((logged["train/loss"] + penalty).item(), rel=1e-6)
+    weight = blocks_of(module)[0][1].weights[0]
+    (with_penalty,) = torch.autograd.grad(total, weight, retain_graph=True)
+    (objective_only,) = torch.autograd.grad(logged["train/loss"], weight)
+    assert (with_penalty - objective_only).abs().max().item() > 1e-6
+    assert all(b.pop_penalty() is None for _, b in blocks_of(module))  # popped by the step

@@ -65,6 +65,17 @@ ARMS = {
                       "phantom K = 1 + Jacobian penalty γ = 100 on 8 rows"),
 }
 MB = 2**20
+# The same accounting for every family (section ``families``): each family's experiment, its DEQ of record (the
+# experiment's deq=true), the paper's block, the record's one-pass control and the explicit network.
+FAMILY_BASE = {"dkef": "experiment=dkef_uci data=redwine loss=sm", "nice": "experiment=nice_mnist loss=ssm",
+               "vae": "experiment=vae_mnist", "ncsn": "experiment=ncsn_mnist"}
+FAMILY_ARMS = {
+    "record": ("deq=true", "the DEQ of record (the experiment's deq=true)"),
+    "paper": ("deq=true deq.norm=frobenius deq.norm_lambda=2", "the paper's block (Frobenius, λ = 2)"),
+    "one_pass": ("deq=true deq.one_pass=true", "the record's one-pass control φ(0)"),
+    "explicit": ("deq=false", "the explicit network"),
+}
+FAMILY_EXTRA = {("ncsn", "paper"): "deq.block=null deq.backward=phantom", ("ncsn", "explicit"): "depth=1"}
 # The paper authors' code's CIFAR-10 SSM-VR settings (benchmarks/lib/step_cost/ncsn.py, ncsn_memory.md's first table):
 # 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, Gaussian projections, cond_norm; uniform images, seeded.
 AUTHORS_ARMS = {  # arm: (arch, deq, depth, deq overrides of benchmarks.lib.step_cases.deq_settings)
@@ -79,8 +90,9 @@ AUTHORS_ARMS = {  # arm: (arch, deq, depth, deq overrides of benchmarks.lib.step
 
 # ------------------------------------------------------------------------------------------ one arm (worker)
 class _Phases:
-    """Times and saved bytes of the implicit backward's levels: wraps ``_FixedPoint.forward`` / ``backward`` (a
-    measurement of this process only) and tags every saved tensor with the innermost level running."""
+    """Times and saved bytes of the implicit backward's levels: wraps ``_FixedPoint.forward`` / ``backward`` and
+    the phantom backward's solve (a measurement of this process only) and tags every saved tensor with the
+    innermost phase running."""
 
     def __init__(self):
         from src.deq import implicit
@@ -101,6 +113,15 @@ class _Phases:
 
         implicit._FixedPoint.forward = staticmethod(forward)
         implicit._FixedPoint.backward = staticmethod(backward)
+        from src.deq import block as block_module
+
+        solve = block_module.solve
+
+        def timed_solve(*a, **kw):  # the phantom backward's forward solve (no graph)
+            with phases.phase("forward solve (phantom backward)"):
+                return solve(*a, **kw)
+
+        block_module.solve = timed_solve
 
     @contextlib.contextmanager
     def phase(self, name):
@@ -133,7 +154,8 @@ def worker(spec: dict) -> dict:
         g = torch.Generator().manual_seed(0)
         batches = iter([torch.rand(4, 3, 32, 32, generator=g) for _ in range(64)])
     else:
-        cfg = train_config([*BASE, f"data.root={spec['root']}", *spec["overrides"].split()])
+        base = FAMILY_BASE[spec["family"]].split() + ["logger=none"] if spec.get("family") else BASE
+        cfg = train_config([*base, f"data.root={spec['root']}", *spec["overrides"].split()])
         module = build(cfg.model)
         dm = build(cfg.data)
         dm.setup("fit")
@@ -143,7 +165,9 @@ def worker(spec: dict) -> dict:
             if hasattr(m, "phi") and hasattr(m.phi, "recompute"):
                 m.phi.recompute = False
     optimizers = trainer_free(module)
-    block = module.net.deq_block() if hasattr(module.net, "deq_block") else None
+    from src.deq.lookup import blocks_of
+
+    blocks = [b for _, b in blocks_of(module)]
     steps = []
     for k in range(int(spec["warmup"]) + int(spec["steps"])):
         batch = next(batches)
@@ -162,17 +186,29 @@ def worker(spec: dict) -> dict:
             training_step(module, batch, optimizers)
         seconds = time.perf_counter() - t0
         if k >= int(spec["warmup"]):
-            stats = block.last_stats if block is not None else {}
+            its = [b.last_stats["iterations"] for b in blocks if b.last_stats]
+            adjoint = [b.last_backward_stats["iterations"] for b in blocks if b.last_backward_stats]
             steps.append({"s": seconds, "saved_MB": sum(by_phase.values()) / MB,
                           "saved_MB_by_phase": {p: b / MB for p, b in by_phase.items()},
-                          "seconds_by_phase": dict(phases.seconds), "iterations": stats.get("iterations"),
-                          "adjoint": dict(block.last_backward_stats) if block is not None else {}})
+                          "seconds_by_phase": dict(phases.seconds),
+                          "iterations": statistics.mean(its) if its else None,
+                          "adjoint_iterations": max(adjoint) if adjoint else None})
     return {"arm": spec["arm"], "steps": steps, "params": sum(p.numel() for p in module.parameters())}
 
 
 # ------------------------------------------------------------------------------------------ sections
+def family_arms(families: list[str]) -> dict[str, tuple[str, str]]:
+    """``family/arm`` → (overrides, what it is) of the ``families`` section."""
+    return {f"{family}/{arm}": (" ".join(filter(None, [ov, FAMILY_EXTRA.get((family, arm), "")])), what)
+            for family in families for arm, (ov, what) in FAMILY_ARMS.items()}
+
+
 def run_cost(args) -> dict:
-    known = AUTHORS_ARMS if args.section == "authors" else ARMS
+    if args.section == "families":
+        catalogue = family_arms(list(FAMILY_BASE))
+    else:
+        catalogue = ARMS
+    known = AUTHORS_ARMS if args.section == "authors" else catalogue
     arms = args.arms.split(",") if args.arms else list(known)
     unknown = [a for a in arms if a not in known]
     if unknown:
@@ -180,8 +216,9 @@ def run_cost(args) -> dict:
     records: dict[str, list] = collections.defaultdict(list)
     for r in range(args.rounds):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
-            spec = {"arm": arm, "overrides": ARMS[arm][0], "root": args.root, "threads": args.threads,
-                    "warmup": args.warmup, "steps": args.steps, "setting": args.section}
+            spec = {"arm": arm, "overrides": catalogue.get(arm, ("",))[0], "root": args.root,
+                    "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "setting": args.section,
+                    "family": arm.split("/")[0] if args.section == "families" else None}
             print(f"round {r + 1}/{args.rounds}: {arm} …", flush=True)
             ran = run_process([sys.executable, "-m", MODULE, "--worker", json.dumps(spec)], thread_env(args.threads))
             if ran["code"] != 0:
@@ -194,20 +231,21 @@ def run_cost(args) -> dict:
     for arm, steps in records.items():
         last = steps[-1]
         phases = sorted({p for s in steps for p in s["seconds_by_phase"]})
-        shown = ARMS[arm][0] if args.section == "cost" else (
+        shown = catalogue[arm][0] if args.section != "authors" else (
             "deq=false depth=1" if not AUTHORS_ARMS[arm][1] else
             " ".join(f"deq.{k}={'null' if v is None else v}" for k, v in AUTHORS_ARMS[arm][3].items()))
-        rows[arm] = {"overrides": shown, "what": ARMS[arm][1], "steps": len(steps),
+        rows[arm] = {"overrides": shown, "what": catalogue[arm][1], "steps": len(steps),
                      "s_per_step": statistics.median(s["s"] for s in steps),
                      "saved_MB": statistics.median(s["saved_MB"] for s in steps),
                      "iterations": statistics.mean(s["iterations"] for s in steps) if last["iterations"] else None,
-                     "adjoint_iterations": statistics.mean(s["adjoint"]["iterations"] for s in steps)
-                     if last["adjoint"] else None,
+                     "adjoint_iterations": statistics.mean(s["adjoint_iterations"] for s in steps)
+                     if last["adjoint_iterations"] else None,
                      "seconds_by_phase": {p: statistics.median(s["seconds_by_phase"].get(p, 0.0) for s in steps)
                                           for p in phases},
                      "saved_MB_by_phase": last["saved_MB_by_phase"]}
-    base = ("the authors' CIFAR-10 SSM-VR settings: 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, Gaussian "
-            "projections, uniform images" if args.section == "authors" else " ".join(BASE))
+    base = {"authors": "the authors' CIFAR-10 SSM-VR settings: 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, "
+                       "Gaussian projections, uniform images",
+            "families": "; ".join(f"{f}: `{b}`" for f, b in FAMILY_BASE.items())}.get(args.section, " ".join(BASE))
     return {"meta": {"command": args.command, "machine": machine_facts(), "threads": args.threads,
                      "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
                      "base": base, "note": _note(args)}, "rows": rows}
@@ -270,19 +308,31 @@ def _cost_lines(cost: dict, title: str) -> list[str]:
               "whole step (distinct storages). The machine is shared (2 cores, other jobs): read ratios of arms "
               "measured in the same call, not absolute seconds."), ""]
     lines += note_lines(meta)
-    base = rows.get("twores")
-    head = ["arm", "overrides", "s/step", "× TwoRes", "saved MB", "× TwoRes", "fwd iters", "adjoint iters"]
+    families = all("/" in arm for arm in rows)
+    ref_name = "explicit" if families else "TwoRes"
+
+    def ref(arm, kind="explicit"):  # the row an arm is compared with: TwoRes, or its family's explicit / one-pass
+        return rows.get(f"{arm.split('/')[0]}/{kind}") if families else rows.get("twores")
+
+    head = ["arm", "overrides", "s/step", f"× {ref_name}", "saved MB", f"× {ref_name}", "fwd iters", "adjoint iters"]
+    if families:
+        head[4:4] = ["× one-pass"]
     body = []
     for arm, r in rows.items():
-        body.append([arm, f"`{r['overrides']}`", _f(r["s_per_step"], 3),
-                     _f(r["s_per_step"] / base["s_per_step"]) if base else "–", _f(r["saved_MB"], 1),
-                     _f(r["saved_MB"] / base["saved_MB"]) if base else "–", _f(r["iterations"], 1),
-                     _f(r["adjoint_iterations"], 1)])
+        base = ref(arm)
+        cells = [arm, f"`{r['overrides']}`", _f(r["s_per_step"], 3),
+                 _f(r["s_per_step"] / base["s_per_step"]) if base else "–", _f(r["saved_MB"], 1),
+                 _f(r["saved_MB"] / base["saved_MB"]) if base else "–", _f(r["iterations"], 1),
+                 _f(r["adjoint_iterations"], 1)]
+        if families:
+            one = ref(arm, "one_pass")
+            cells[4:4] = [_f(r["s_per_step"] / one["s_per_step"]) if one else "–"]
+        body.append(cells)
     lines += markdown_table(head, body) + [""]
     lines += [("By phase (the median seconds inside each, nested phases included; MB saved while it ran, of one "
               "step):"), ""]
     for arm, r in rows.items():
-        if len(r["saved_MB_by_phase"]) <= 1:
+        if not r["seconds_by_phase"]:
             continue
         parts = [f"{p}: {_f(r['seconds_by_phase'].get(p), 3)} s, {_f(r['saved_MB_by_phase'].get(p, 0.0), 1)} MB"
                  for p in sorted(set(r["seconds_by_phase"]) | set(r["saved_MB_by_phase"]))]
@@ -294,7 +344,8 @@ def _cost_lines(cost: dict, title: str) -> list[str]:
 def render(res: dict) -> str:
     lines = ["# The NCSN DEQ's step: where time and bytes go, and the routes to a cheaper recurring block", ""]
     for section, title in (("cost", "## Step cost at `{base}` (batch 64, ngf 16, SSM-VR, MNIST batches)"),
-                           ("authors", "## Step cost at {base}")):
+                           ("authors", "## Step cost at {base}"),
+                           ("families", "## A cost line for every family ({base}; each experiment's batches)")):
         if section in res:
             lines += _cost_lines(res[section], title)
     frontier = res.get("frontier")
@@ -320,7 +371,7 @@ def render(res: dict) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", nargs="?", choices=("cost", "authors", "frontier"))
+    ap.add_argument("section", nargs="?", choices=("cost", "authors", "families", "frontier"))
     ap.add_argument("--root", default=str(DATA_ROOT), help="data.root (MNIST)")
     ap.add_argument("--arms", default="", help=f"cost: comma-separated arms (default all: {', '.join(ARMS)})")
     ap.add_argument("--rounds", type=int, default=2)
@@ -338,7 +389,7 @@ def main(argv=None):
     if rendered(args, STEM, render):
         return
     if args.section is None:
-        ap.error("give a section (cost | authors | frontier) or --render")
+        ap.error("give a section (cost | authors | families | frontier) or --render")
     placeholders = {str(args.runs): "<runs dir>"} if args.runs else None
     args.command = script_command(MODULE, argv, data_root=args.root, placeholders=placeholders)
     from src.reports.tables import load_results, write_results

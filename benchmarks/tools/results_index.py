@@ -142,6 +142,11 @@ SHOWS = {
                                  "and the controlled runs that isolate the gap to the paper's DEQ-SM row (the "
                                  "α/λ refit, early stopping, the per-point tail, the optimiser, the split and the "
                                  "whitening, the LL estimator).",
+    "notes/dkef_table3": "The note printed above `dkef_table3.md` (`--note`): the protocol, and why early stopping "
+                         "with patience 20 selects the full-length runs' checkpoints (checked on seed 0 of both "
+                         "100-d methods).",
+    "notes/ncsn_deq_cost_frontier": "The note printed under `ncsn_deq_cost.md`'s frontier table (`--note`): why "
+                                    "two routes stop early, and the runs not kept.",
     "notes/dkef_issue14": "The note printed above `dkef.md`'s tables (`--note`): the DEQ rows re-measured with "
                           "the linear injection.",
     "notes/issue29_remeasure": "Before/after of the NCSN and VAE MNIST curves re-measured with the corrected "
@@ -218,7 +223,7 @@ def commands_of(stem: str, results: Path) -> list[str]:
                     out.append(c.strip())
     md = results / f"{stem}.md"
     if not out and md.exists():
-        m = re.search(r"`((?:python )?benchmarks/[^`]+)`", md.read_text())
+        m = re.search(r"`(python -m benchmarks\.[^`]+|(?:python )?benchmarks/[^`]+)`", md.read_text())
         if m:
             out.append(m.group(1) if m.group(1).startswith("python ") else "python " + m.group(1))
     return out

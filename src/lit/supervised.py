@@ -79,10 +79,10 @@ class SupervisedLitModule(DeqsmModule):
             # a sum over the batch, and DDP averages the ranks' gradients: scaled by the world size, each step is
             # one process's step on the global batch (mse, a mean over equal shards, needs nothing)
             loss = loss * world
+        loss = self.with_deq_penalty(loss, x.shape[0])
         if not any(p.requires_grad for p in self.parameters()):  # a frozen construction: evaluate only
             self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=x.shape[0])
             return None
-        loss = self.with_deq_penalty(loss, x.shape[0])
         self.check_finite(loss)
         if isinstance(self.net, DiagonalLinearDEQ) and self.optimizer_cfg.get("name") == "sgd":
             r = (pred - y).detach().reshape(-1).double()

@@ -124,7 +124,8 @@ class DKEF(nn.Module):
         self.exact_route = exact_route
         if exact_route == "jet" and not self.jets_supported():
             raise ValueError("exact_route='jet' needs explicit MLP features or dense Softplus DEQ features with "
-                             "phantom or implicit backward; use exact_route='autograd' (or 'auto')")
+                             "phantom or implicit backward and no deq.jacobian_penalty; use exact_route='autograd' "
+                             "(or 'auto')")
 
     # ---------------------------------------------------------------- density
     def log_q0(self, x: torch.Tensor) -> torch.Tensor:

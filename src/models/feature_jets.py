@@ -96,7 +96,8 @@ def supports_jet(net: nn.Module) -> bool:
     if isinstance(net, DEQNet):
         block = net.block
         return (net.kind == "dense" and getattr(block, "phi", None) is dense_map
-                and _supported_module(block.injection) and block.config.backward in ("phantom", "implicit"))
+                and _supported_module(block.injection) and block.config.backward in ("phantom", "implicit")
+                and not float(block.config.jacobian_penalty) > 0)  # the regulariser lives in the block's forward
     return False
 
 
