@@ -77,7 +77,7 @@ def test_ais_is_a_lower_bound_of_a_nonlinear_decoder_that_tightens_with_t():
 
 
 @pytest.mark.slow
-def test_ais_mnist_decoder_stays_below_the_exact_value(shared_data):
+def test_ais_mnist_decoder_stays_below_the_exact_value(mnist_root):
     """The issue's case (benchmarks/studies/ais_bias.py at T = 1000): a random 2-64-64-784 Softplus decoder, first and
     last weights ×4, on 8 binarised MNIST test images, 16 chains — the rule before the fix measured +0.140 ±
     0.030 nats above the exact value here, the pilot rule −0.073 ± 0.052."""
@@ -90,7 +90,7 @@ def test_ais_mnist_decoder_stays_below_the_exact_value(shared_data):
     with torch.no_grad():
         net[0].weight.mul_(4)
         net[4].weight.mul_(4)
-    v = load_mnist(shared_data, download=False)["test_images"][:8].reshape(8, -1)
+    v = load_mnist(mnist_root, download=False)["test_images"][:8].reshape(8, -1)
     x = torch.bernoulli(v.double() / 255, generator=torch.Generator().manual_seed(0))
 
     def pairwise(z):

@@ -23,7 +23,8 @@ from src.runs.checkpoints import (
     safe_contents,
 )
 from src.runs.training import train
-from tests.conftest import FAST, SHARED_DATA, compose_train
+from tests.conftest import FAST, compose_train
+from tests.test_data_mnist import fake_mnist
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -158,8 +159,9 @@ def test_checkpoint_of_another_family_or_shape_is_named(dkef_run, tmp_path):
     model = instantiate(nice.model)
     with pytest.raises(CheckpointError, match=r"is a DKEFLitModule checkpoint, but this run builds a NICE"):
         check_matches_model(load_checked(last), model, last)
+    fake_mnist(tmp_path / "data" / "mnist", n_train=60, n_test=40)  # small files in MNIST's format: no data set
     with pytest.raises(CheckpointError, match=r"is a DKEFLitModule checkpoint"):  # train resume, same check
-        train(compose_train(["model=nice", "data=mnist", f"data.root={SHARED_DATA}", "model.hidden=8", "logger=none",
+        train(compose_train(["model=nice", "data=mnist", f"data.root={tmp_path / 'data'}", "model.hidden=8", "logger=none",
                              "callbacks=minimal", f"ckpt_path={last}", "data.limit=100", "trainer.max_epochs=1"],
                             tmp_path / "nice"))
 

@@ -55,3 +55,51 @@ def test_the_deq_enable_flag_is_read_in_one_place():
             if re.search(r"""(get\(|\[)["']enabled["']""", line):
                 readers.append(f"{path.relative_to(src)}:{i}")
     assert [r.split(":")[0] for r in readers] == ["config/deq.py"], readers
+
+
+def test_a_family_refuses_another_familys_block_and_one_pass_needs_a_deq():
+    """Issue 49: deq_setting / block_config with the family refuse what it cannot build, in one line."""
+    from src.config.deq import check_block
+
+    ncsn = deq_setting({"enabled": True, "block": "normalized_residual"}, "ncsn")
+    assert ncsn.block == "normalized_residual" and block_config(ncsn, "ncsn") is ncsn
+    check_block("ncsn", "normalized_residual")  # no error
+    # the family is checked before the other keys: with the family's own norm set (model=dkef's spectral default)
+    # the message is about the block, not about norm not applying to it
+    with pytest.raises(ValueError, match=r"^deq.block=normalized_residual is a block of model=ncsn only: model=dkef"):
+        deq_setting({"enabled": True, "block": "normalized_residual", "norm": "spectral", "norm_lambda": 2.0}, "dkef")
+    for family in ("dkef", "nice", "vae", "supervised"):
+        with pytest.raises(ValueError) as info:
+            deq_setting({"enabled": True, "block": "normalized_residual"}, family)
+        assert str(info.value) == (f"deq.block=normalized_residual is a block of model=ncsn only: model={family} "
+                                   "has its own DEQ block, so drop deq.block (or set deq.block=null)")
+        with pytest.raises(ValueError, match=f"model={family} has its own DEQ block"):
+            block_config(DEQConfig(block="normalized_residual"), family)
+    assert deq_setting({"enabled": True, "block": None}, "dkef").block is None
+    assert deq_setting({"enabled": True, "block": "normalized_residual"}).block == "normalized_residual"  # no family
+    with pytest.raises(ValueError, match=r"^deq.one_pass=true needs deq=true: .*drop deq.one_pass or use deq=true$"):
+        deq_setting({"enabled": False, "one_pass": True})
+    assert deq_setting({"enabled": False, "one_pass": False}) is None
+    assert deq_setting({"enabled": True, "one_pass": True}, "dkef").one_pass is True
+
+
+def test_the_solver_config_and_yaml_share_one_set_of_defaults():
+    """Issue 49: DEQConfig's field defaults are the DEQ defaults' one definition; solve() takes its defaults from
+    them and conf/shared/deq_solver.yaml (the keys users see) writes out the same values."""
+    import dataclasses
+    import inspect
+    from pathlib import Path
+
+    from src.deq import solvers
+
+    defaults = {f.name: f.default for f in dataclasses.fields(DEQConfig)}
+    assert (defaults["tol"], defaults["stop_mode"], defaults["solver"]) == (1e-4, "rel", "picard")
+    yaml = OmegaConf.to_container(OmegaConf.load(Path(__file__).resolve().parents[1] / "conf" / "shared" /
+                                                 "deq_solver.yaml"))
+    assert yaml == defaults
+    for fn in (solvers.solve, solvers.picard, solvers.anderson, solvers.broyden):
+        params = inspect.signature(fn).parameters
+        for key in ("tol", "max_iter", "stop_mode", "anderson_m", "anderson_beta"):
+            if key in params:
+                assert params[key].default == defaults[key], (fn.__name__, key)
+    assert inspect.signature(solvers.solve).parameters["method"].default == defaults["solver"]

@@ -24,6 +24,7 @@ from src.data import download as dl
 from src.data import images as I
 from src.data.contract import DataContractError, ScoreDataModule
 from src.data.idx_format import read_idx
+from src.data.mnist import locate_mnist
 from src.data.mnist_images import MNISTImageDataModule
 from tests.conftest import compose_train
 
@@ -108,10 +109,9 @@ def test_split_indices_official_fractions_limit_and_determinism():
 
 
 # ---------------------------------------------------------------------------------------------- MNIST
-def test_mnist_images_from_the_verified_files(shared_data):
-    if not (shared_data / "mnist" / "t10k-images-idx3-ubyte.gz").is_file():
-        pytest.skip("the MNIST files are not in the verified data folder")
-    dm = MNISTImageDataModule(shared_data, download=False, batch_size=32, eval_batch_size=100, dim=784,
+def test_mnist_images_from_the_verified_files(mnist_root):
+    files = locate_mnist(mnist_root, download=False)
+    dm = MNISTImageDataModule(mnist_root, download=False, batch_size=32, eval_batch_size=100, dim=784,
                               shape=[1, 28, 28])
     assert isinstance(dm, ScoreDataModule) and dm.is_image and not (dm.has_ground_truth or dm.has_bits_per_dim)
     assert dm.data_shape == dm.image_shape == (1, 28, 28) and dm.dim == dm.data_dim == 784
@@ -124,12 +124,12 @@ def test_mnist_images_from_the_verified_files(shared_data):
     assert batch.shape == (32, 1, 28, 28) and batch.dtype == torch.float32
     assert 0.0 <= batch.min().item() and batch.max().item() < 1.0
     # the test split is t10k in file order, each value in its byte's bin; fixed noise across modules
-    t10k = read_idx(shared_data / "mnist" / "t10k-images-idx3-ubyte.gz")[:300].unsqueeze(1)
+    t10k = read_idx(files["test_images"])[:300].unsqueeze(1)
     test = dm.split_tensor("test", 300)
     assert test.shape == (300, 1, 28, 28) and test.dtype == torch.float32
     assert torch.equal(torch.floor(test * 256).long(), t10k.long())
     assert torch.equal(torch.cat(list(dm.test_dataloader()))[:300], test)  # loaders = split_tensor
-    other = MNISTImageDataModule(shared_data, download=False, eval_batch_size=7)
+    other = MNISTImageDataModule(mnist_root, download=False, eval_batch_size=7)
     other.setup()
     assert torch.equal(other.split_tensor("test", 300), test) and torch.equal(
         other.split_tensor("val", 50), dm.split_tensor("val", 50))
@@ -138,7 +138,7 @@ def test_mnist_images_from_the_verified_files(shared_data):
     with pytest.raises(DataContractError):
         dm.bits_per_dim(torch.zeros(3), test[:3])
 
-    paper = MNISTImageDataModule(shared_data, download=False, split=[0.7, 0.2, 0.1], binarize=True,
+    paper = MNISTImageDataModule(mnist_root, download=False, split=[0.7, 0.2, 0.1], binarize=True,
                                  pixel_range="symmetric", batch_size=256)
     paper.setup()
     assert {k: v.numel() for k, v in paper.split_indices.items()} == {"train": 49000, "val": 14000, "test": 7000}
@@ -149,8 +149,8 @@ def test_mnist_images_from_the_verified_files(shared_data):
     val = paper.split_tensor("val", 200)
     assert set(val.unique().tolist()) == {-1.0, 1.0} and torch.equal(val, paper.split_tensor("val", 200))
     # the binarised pixels' mean is the intensities' mean (over 156 800 Bernoulli draws)
-    vbytes = torch.cat([read_idx(shared_data / "mnist" / "train-images-idx3-ubyte.gz"),
-                        read_idx(shared_data / "mnist" / "t10k-images-idx3-ubyte.gz")])
+    vbytes = torch.cat([read_idx(files["train_images"]),
+                        read_idx(files["test_images"])])
     intensity = vbytes[paper.split_indices["val"][:200]].float().mean().item() / 255
     assert abs(paper.to_pixels(val).mean().item() - intensity) < 0.01
 

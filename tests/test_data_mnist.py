@@ -21,13 +21,6 @@ from src.data import mnist as M
 from src.data.contract import DataContractError, ScoreDataModule
 
 
-@pytest.fixture
-def shared_root(shared_data) -> Path:
-    if not all((shared_data / "mnist" / f"{n}.gz").is_file() for n in M.FILES.values()):
-        pytest.skip("the MNIST files are not in the verified data folder")
-    return shared_data
-
-
 def fake_mnist(folder: Path, n_train: int = 60, n_test: int = 40, seed: int = 0) -> dict[str, torch.Tensor]:
     """Write four small IDX gz files with random pixels and labels; return the arrays."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -44,15 +37,16 @@ def fake_mnist(folder: Path, n_train: int = 60, n_test: int = 40, seed: int = 0)
 
 
 # ------------------------------------------------------------------------------------------ IDX files
-def test_read_idx_on_the_real_files(shared_root):
-    train = IDX.read_idx(shared_root / "mnist" / "train-images-idx3-ubyte.gz")
+def test_read_idx_on_the_real_files(mnist_root):
+    files = M.locate_mnist(mnist_root, download=False)
+    train = IDX.read_idx(files["train_images"])
     assert train.shape == (60000, 28, 28) and train.dtype == torch.uint8
-    labels = IDX.read_idx(shared_root / "mnist" / "t10k-labels-idx1-ubyte.gz")
+    labels = IDX.read_idx(files["test_labels"])
     assert labels.shape == (10000,)
     # published class counts of the MNIST test set, and the first test digits 7, 2, 1, 0, 4
     assert torch.bincount(labels.long()).tolist() == [980, 1135, 1032, 1010, 982, 892, 958, 1028, 974, 1009]
     assert labels[:5].tolist() == [7, 2, 1, 0, 4]
-    assert IDX.read_idx(shared_root / "mnist" / "train-labels-idx1-ubyte.gz")[:3].tolist() == [5, 0, 4]
+    assert IDX.read_idx(files["train_labels"])[:3].tolist() == [5, 0, 4]
     assert train.max().item() == 255 and 0.80 < (train[:1000] == 0).float().mean().item() < 0.82
 
 
@@ -211,8 +205,8 @@ def assert_in_bins(y: torch.Tensor, v: torch.Tensor) -> None:
     assert offset.std().item() > 0.2  # spread over the bin (U(0, 1) has std 0.29), not at its centre
 
 
-def test_paper_split_sizes_and_determinism(shared_root):
-    dm = M.MNISTDataModule(shared_root, download=False)
+def test_paper_split_sizes_and_determinism(mnist_root):
+    dm = M.MNISTDataModule(mnist_root, download=False)
     dm.setup("fit")
     assert {k: len(v) for k, v in dm.split_indices.items()} == {"train": 49000, "val": 14000, "test": 7000}
     everything = torch.cat(list(dm.split_indices.values()))
@@ -221,11 +215,11 @@ def test_paper_split_sizes_and_determinism(shared_root):
     first = dm.split_indices["test"][:5].clone()
     dm.setup("test")  # idempotent
     assert torch.equal(dm.split_indices["test"][:5], first)
-    again = M.MNISTDataModule(shared_root, download=False, limit=700, seed=2019)
+    again = M.MNISTDataModule(mnist_root, download=False, limit=700, seed=2019)
     again.setup()
     assert {k: len(v) for k, v in again.split_indices.items()} == {"train": 490, "val": 140, "test": 70}
     assert torch.equal(again.split_indices["train"], dm.split_indices["train"][:490])
-    other = M.MNISTDataModule(shared_root, download=False, limit=700, seed=1)
+    other = M.MNISTDataModule(mnist_root, download=False, limit=700, seed=1)
     other.setup()
     assert not torch.equal(other.split_indices["train"], again.split_indices["train"])
 

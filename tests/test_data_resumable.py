@@ -8,15 +8,13 @@ import pytest
 import torch
 
 from src.data.resumable import ResumableLoader, ResumableSampler, decode
-from tests.conftest import SHARED_DATA
+from tests.conftest import require_mnist
 
 
 def mnist_images(**options):
     from src.data.mnist_images import MNISTImageDataModule
 
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"verified data sets not found at {SHARED_DATA}")
-    dm = MNISTImageDataModule(root=SHARED_DATA, limit=120, batch_size=8, binarize=True, **options)
+    dm = MNISTImageDataModule(root=require_mnist(), limit=120, batch_size=8, binarize=True, **options)
     dm.setup("fit")
     return dm
 

@@ -60,8 +60,8 @@ WINE_HEADER = [
 
 
 @pytest.fixture
-def shared(shared_data) -> Path:
-    return shared_data
+def shared(uci_root) -> Path:
+    return uci_root
 
 
 def write_wine(

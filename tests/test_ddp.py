@@ -121,11 +121,11 @@ VAE = ["experiment=vae_mnist", "callbacks=minimal", "data.limit=256", "data.batc
        "model.n_samples_grid=0"]
 
 
-def test_vae_two_optimisers_under_ddp(tmp_path, shared_data):
+def test_vae_two_optimisers_under_ddp(tmp_path, mnist_root):
     """The SSM-VAE's alternating updates (score estimator, then encoder + decoder) under DDP: each update's
     gradient is the mean of the ranks' gradients of that update (check A), for both optimisers; the ranks end
     identical; validation and test run sharded, AIS on the same 6 test points as one process (3 per rank)."""
-    overrides = [*VAE, f"data.root={shared_data}"]
+    overrides = [*VAE, f"data.root={mnist_root}"]
     metrics, records = run_ddp(overrides, tmp_path)
     cfg = compose_train([*QUIET, *overrides], tmp_path / "cfg")
     assert check_mean_of_rank_gradients(cfg, records) == 2  # the score update, then the VAE update
@@ -161,9 +161,9 @@ NCSN = ["model=ncsn", "data=mnist_images", "callbacks=minimal", "data.limit=200"
 
 
 @pytest.mark.slow
-def test_ncsn_under_ddp(tmp_path, shared_data):
+def test_ncsn_under_ddp(tmp_path, mnist_root):
     """NCSN (DEQ, SSM-VR): random noise levels, perturbations and projections per rank (check A)."""
-    overrides = [*NCSN, f"data.root={shared_data}", "loss=ssm_vr", "deq=true"]
+    overrides = [*NCSN, f"data.root={mnist_root}", "loss=ssm_vr", "deq=true"]
     metrics, records = run_ddp(overrides, tmp_path)
     cfg = compose_train([*QUIET, *overrides], tmp_path / "cfg")
     assert check_mean_of_rank_gradients(cfg, records) == 1
@@ -178,11 +178,11 @@ NICE = ["experiment=nice_mnist", "callbacks=minimal", "loss=mle", "deq=false", "
 
 
 @pytest.mark.slow
-def test_nice_mle_under_ddp_equals_one_process(tmp_path, shared_data):
+def test_nice_mle_under_ddp_equals_one_process(tmp_path, mnist_root):
     """NICE by maximum likelihood: the loss is a deterministic mean, so 2 ranks x 8 images per step equal one
     process with 16 (gradients at the first step, parameters after 3 Adam steps, the exact test
     log-likelihood of the sharded test set)."""
-    overrides = [*NICE, f"data.root={shared_data}"]
+    overrides = [*NICE, f"data.root={mnist_root}"]
     ddp, records = run_ddp([*overrides, "data.batch_size=8"], tmp_path)
     one, one_records, cfg = run_single([*overrides, "data.batch_size=16"], tmp_path)
     check_mean_of_rank_gradients(cfg, records)

@@ -26,7 +26,7 @@ import torch
 from src.lit.resume import restore_rank_state
 from src.runs.checkpoints import load_checked
 from src.runs.rng import capture_rng_states
-from tests.conftest import FAST, REPO_ROOT, SHARED_DATA
+from tests.conftest import FAST, REPO_ROOT, SHARED_DATA, require_mnist
 from tests.test_resume_kill import COMMON, assert_equal_tree
 
 
@@ -77,8 +77,8 @@ def finish(proc: subprocess.Popen, timeout: int = 600) -> tuple[int, str]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_ddp_sigkill_mid_epoch_then_resume_is_bit_equal(tmp_path, family):
     overrides, kill_step = FAMILIES[family]
-    if family != "dkef" and not SHARED_DATA.is_dir():
-        pytest.skip(f"verified data sets not found at {SHARED_DATA}")
+    if family != "dkef":
+        require_mnist()
     overrides = [*overrides, *COMMON, *DDP]
     full, killed = tmp_path / "full", tmp_path / "killed"
     kill = [f"+callbacks.kill._target_={__name__}.KillAllRanksAfterStep", f"+callbacks.kill.step={kill_step}"]

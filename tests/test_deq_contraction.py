@@ -17,8 +17,9 @@ from tests.test_train import NICE_FAST
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def nice_module(shared_data, tmp_path, *overrides):
-    cfg = compose_train([*NICE_FAST, f"data.root={shared_data}", "deq=true", *overrides], tmp_path)
+def nice_module(tmp_path, *overrides):
+    """The NICE module of the config (built only: no data set is read)."""
+    cfg = compose_train([*NICE_FAST, "deq=true", *overrides], tmp_path)
     torch.manual_seed(0)
     module = build(cfg.model)
     module.net.double()
@@ -26,12 +27,12 @@ def nice_module(shared_data, tmp_path, *overrides):
 
 
 def test_rate_is_the_largest_singular_value_of_the_map_jacobian_at_the_training_inputs_fixed_point(
-        tmp_path, shared_data):
+        tmp_path):
     """After a training forward, each DEQ block's rate is ‖∂f/∂z‖₂ at the fixed point of the input it last saw:
     against the dense per-sample Jacobians (autograd) at a fixed point found by 500 plain iterations, in float64
     (the logged rate comes from 30 power iterations: a lower bound, within 3 % here).
     Forwards in eval mode and after ``on_fit_end`` are not kept."""
-    module = nice_module(shared_data, tmp_path, "loss=ssm")
+    module = nice_module(tmp_path, "loss=ssm")
     x = torch.rand(12, 784, dtype=torch.float64)
     module.on_fit_start()
     module.net.train()
@@ -65,10 +66,10 @@ def test_rate_is_the_largest_singular_value_of_the_map_jacobian_at_the_training_
         assert torch.equal(v[0], kept[k]), k
 
 
-def test_phantom_truncation_warns_only_where_the_loss_differentiates_through_the_deq(tmp_path, shared_data):
+def test_phantom_truncation_warns_only_where_the_loss_differentiates_through_the_deq(tmp_path):
     """ρᴷ/(1 − ρ) > 5 % warns for a score-matching loss with the phantom backward; MLE (unit-determinant
     couplings: no derivative through the DEQ), the implicit backward and a small bound do not."""
-    module = nice_module(shared_data, tmp_path, "loss=ssm", "deq.phantom_steps=2")
+    module = nice_module(tmp_path, "loss=ssm", "deq.phantom_steps=2")
     block = blocks_of(module)[-1][1]
     with pytest.warns(RuntimeWarning, match="deq.backward=implicit") as caught:
         assert module.check_phantom_truncation(0.383, block) == pytest.approx(0.383**2 / 0.617)
@@ -77,9 +78,9 @@ def test_phantom_truncation_warns_only_where_the_loss_differentiates_through_the
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert module.check_phantom_truncation(0.1, block) == pytest.approx(0.01 / 0.9)
-        mle = nice_module(shared_data, tmp_path, "loss=mle", "deq.phantom_steps=2")
+        mle = nice_module(tmp_path, "loss=mle", "deq.phantom_steps=2")
         assert mle.check_phantom_truncation(0.9, blocks_of(mle)[-1][1]) is None
-        implicit = nice_module(shared_data, tmp_path, "loss=ssm", "deq.backward=implicit")
+        implicit = nice_module(tmp_path, "loss=ssm", "deq.backward=implicit")
         assert implicit.check_phantom_truncation(0.9, blocks_of(implicit)[-1][1]) is None
 
 

@@ -168,7 +168,7 @@ def test_module_logs_every_block_and_warns_once_per_near_inert_block(recwarn):
     from src.deq.lookup import blocks_of
     from tests.conftest import FAST, compose_train
 
-    cfg = compose_train([*FAST, "model=dkef", "loss=sm", "deq=true"])
+    cfg = compose_train([*FAST, "model=dkef", "loss=sm", "deq=true", "deq.norm=frobenius"])  # the paper's block
     module = instantiate(cfg.model, input_dim=int(cfg.data.dim))
     blocks = blocks_of(module)
     assert len(blocks) > 1

@@ -120,14 +120,14 @@ def test_ema_on_tests_the_average_of_the_steps(tmp_path, one_thread, checkpoints
         assert torch.isfinite(torch.tensor(metrics[key])), key
 
 
-def test_ema_nice_keeps_integer_buffers_and_samples_from_the_average(tmp_path, one_thread, shared_data):
+def test_ema_nice_keeps_integer_buffers_and_samples_from_the_average(tmp_path, one_thread, mnist_root):
     """NICE: permutation buffers (int64) are copied, not averaged (Lightning's default use_buffers=True writes an
     EMA with decay 0.9 back into them truncated: this test then fails on net.perm); spectral-norm vectors ride
     along; samples are drawn at test end, from the averaged weights."""
     from tests.test_train import NICE_FAST
 
     nice = [o for o in NICE_FAST if o != "trainer.fast_dev_run=true"]
-    metrics, rec = run([f"data.root={shared_data}", "loss=ssm", "deq=true", "deq.norm=spectral", "ema=true",
+    metrics, rec = run([f"data.root={mnist_root}", "loss=ssm", "deq=true", "deq.norm=spectral", "ema=true",
                         f"callbacks.ema.decay={DECAY}", "trainer.max_epochs=1", "trainer.limit_train_batches=2",
                         "trainer.limit_val_batches=0", "trainer.limit_test_batches=1",
                         "model.metrics.exact_sm.test_points=2",

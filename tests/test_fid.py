@@ -217,11 +217,9 @@ def test_bootstrap_sd_matches_the_fids_sampling_distribution(one_thread):
 def mnist():
     """MNIST, read once for this module and released after it (an lru_cache held it for the whole session)."""
     from src.data.mnist import load_mnist
-    from tests.conftest import SHARED_DATA
+    from tests.conftest import require_mnist
 
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"verified data sets not found at {SHARED_DATA}")
-    return load_mnist(str(SHARED_DATA), download=False)
+    return load_mnist(str(require_mnist()), download=False)
 
 
 @pytest.fixture(scope="module")

@@ -26,9 +26,9 @@ def positive(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x) and x > 0
 
 
-def test_dry_run_writes_every_part(tmp_path, shared_data):
+def test_dry_run_writes_every_part(tmp_path, mnist_root):
     out = tmp_path / "res"
-    res = gpu_suite.main(["--dry-run", "--root", str(shared_data), "--out", str(out)])
+    res = gpu_suite.main(["--dry-run", "--root", str(mnist_root), "--out", str(out)])
     saved = json.loads((out / "gpu_suite.json").read_text())
     md = (out / "gpu_suite.md").read_text()
     assert saved == json.loads(json.dumps(res))
@@ -65,7 +65,7 @@ def test_dry_run_writes_every_part(tmp_path, shared_data):
 
     text = json.dumps(saved) + md
     assert "<data dir>" in saved["meta"]["command"] and "data.root=<data dir>" in fid["command"]
-    for private in (str(shared_data), str(ROOT), str(tmp_path)):
+    for private in (str(mnist_root), str(ROOT), str(tmp_path)):
         assert private not in text, private
 
 

@@ -144,5 +144,9 @@ def test_report_over_two_sweeps(tmp_path):
     assert len(report["rows"]) == 3 and all(r["n_seeds"] == 2 for r in report["rows"])
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "± " in md and "test SM loss" in md
+    # each DEQ row's recurrence share beside its iterations (the mean of DKEF's three blocks); none for explicit rows
+    assert md.splitlines()[0].endswith("| DEQ iters | DEQ recurrence share |")
+    shares = {r["group"]["deq"]: r["metrics"]["test/deq_recurrence_share"] for r in report["rows"]}
+    assert shares["True"]["n"] == 2 and 0.1 < shares["True"]["mean"] < 0.2 and shares["False"]["n"] == 0
     for png in ("memory_vs_depth.png", "test_loss_vs_wall_time.png"):
         assert (tmp_path / "rep" / png).stat().st_size > 1000

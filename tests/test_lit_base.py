@@ -36,9 +36,9 @@ def test_dkef_float64_end_to_end(tmp_path, deq):
 
 
 @pytest.mark.parametrize("deq", ["true", "false"])
-def test_nice_float64_end_to_end(tmp_path, shared_data, deq):
+def test_nice_float64_end_to_end(tmp_path, mnist_root, deq):
     cfg = compose_train(["logger=none", "callbacks=minimal", "model=nice", "data=mnist", "data.limit=300",
-                         f"data.root={shared_data}", "model.hidden=16", "model.deq_width=16",
+                         f"data.root={mnist_root}", "model.hidden=16", "model.deq_width=16",
                          "model.metrics.exact_sm.test_points=4", "model.metrics.exact_sm.val_points=2",
                          "model.n_samples_grid=4", f"deq={deq}", "loss=ssm", "++trainer.precision=64-true",
                          "trainer.fast_dev_run=true", PROBE], tmp_path)
@@ -142,7 +142,7 @@ class GradNormRecorder(L.Callback):
             opt.register_step_pre_hook(hook)
 
 
-def test_two_optimiser_toy_alternates_clips_writes_grid_and_fid(tmp_path, shared_data):
+def test_two_optimiser_toy_alternates_clips_writes_grid_and_fid(tmp_path, mnist_root):
     """A manual-optimisation family through the base: 2 score updates per generator update, trainer-level
     clipping applied to each manual update, a sample grid, and FID (MNIST features) that falls as the
     generator learns the data's pixel means and spreads."""
@@ -152,7 +152,7 @@ def test_two_optimiser_toy_alternates_clips_writes_grid_and_fid(tmp_path, shared
     from src.data.mnist_images import MNISTImageDataModule
     from src.runs.training import follow_optimization_mode
 
-    dm = MNISTImageDataModule(root=str(shared_data), limit=1200, batch_size=100, eval_batch_size=300)
+    dm = MNISTImageDataModule(root=str(mnist_root), limit=1200, batch_size=100, eval_batch_size=300)
     metrics = {"fid": {"kind": "mnist", "n_samples": 150}}
 
     def fid_of(module):

@@ -31,10 +31,10 @@ TINY = ["logger=none", "callbacks=minimal", "model=ncsn", "data=mnist_images", "
 
 @pytest.mark.parametrize("loss", ["dsm", "ssm_vr"])
 @pytest.mark.parametrize("arch", ["refinenet", "deq-true", "deq-false"])
-def test_fast_dev_run_every_arch_loss_and_deq(tmp_path, shared_data, arch, loss):
+def test_fast_dev_run_every_arch_loss_and_deq(tmp_path, mnist_root, arch, loss):
     name, _, deq = arch.partition("-")
     extra = [f"deq={deq or 'false'}"] + (["depth=1"] if deq == "false" else [])
-    cfg = compose_train([*TINY, f"data.root={shared_data}", f"model.arch={name}", f"loss={loss}", *extra], tmp_path)
+    cfg = compose_train([*TINY, f"data.root={mnist_root}", f"model.arch={name}", f"loss={loss}", *extra], tmp_path)
     train(cfg)
     saved = json.loads((tmp_path / "metrics.json").read_text())
     for key in ("test/dsm_loss", "test/ssm_vr_loss", "test/dsm_loss/sigma_2", "test/fid", "train/loss"):
@@ -53,19 +53,20 @@ def test_fast_dev_run_every_arch_loss_and_deq(tmp_path, shared_data, arch, loss)
         assert "test/deq_contraction_rate" not in saved
 
 
-def lit_module(shared_data, tmp_path, overrides):
-    cfg = compose_train([*TINY, f"data.root={shared_data}", *overrides], tmp_path)
+def lit_module(tmp_path, overrides):
+    """The NCSN module of the config (built only: no data set is read)."""
+    cfg = compose_train([*TINY, *overrides], tmp_path)
     return build(cfg.model)  # a user error in the module's arguments is raised as itself
 
 
-def test_phantom_truncation_bound_and_warning(tmp_path, shared_data):
+def test_phantom_truncation_bound_and_warning(tmp_path):
     """ρᴷ/(1 − ρ) bounds the phantom Jacobian's missing Neumann tail; validation warns when a loss that
     differentiates through the DEQ (SSM-VR) is truncated by more than 5 %: the measured failure (ρ = 0.383 after
     600 steps with K = 2, exact SSM-VR +417 where the truncated one read −728) warns, the implicit-trained
     map (ρ = 0.087) does not, nor K = 8, DSM (no divergence through the DEQ) or the implicit backward."""
     assert phantom_truncation(0.383, 2) == pytest.approx(0.383**2 / 0.617)
     assert phantom_truncation(0.5, 1) == pytest.approx(1.0) and phantom_truncation(1.0, 8) == math.inf
-    module = lit_module(shared_data, tmp_path, ["loss=ssm_vr", "deq=true", "deq.phantom_steps=2"])
+    module = lit_module(tmp_path, ["loss=ssm_vr", "deq=true", "deq.phantom_steps=2"])
     with pytest.warns(RuntimeWarning, match="deq.backward=implicit"):
         assert module.check_phantom_truncation(0.383) == pytest.approx(0.2377, abs=1e-4)
     with warnings.catch_warnings():
@@ -75,17 +76,17 @@ def test_phantom_truncation_bound_and_warning(tmp_path, shared_data):
         assert module.check_phantom_truncation(0.383) < 1e-3
         module.net.deq_block().config.backward = "implicit"
         assert module.check_phantom_truncation(0.383) is None
-        dsm = lit_module(shared_data, tmp_path, ["loss=dsm", "deq=true"])
+        dsm = lit_module(tmp_path, ["loss=dsm", "deq=true"])
         assert dsm.check_phantom_truncation(0.9) is None
 
 
-def test_noise_conditional_training_loss_closed_forms(tmp_path, shared_data):
+def test_noise_conditional_training_loss_closed_forms(tmp_path):
     """With the last conv zeroed, s ≡ 0: the σ²-weighted DSM loss is ½‖ε‖² per sample (mean D/2 = 392,
     std √(D/2) = 19.8 per sample, so within 25 of 392 for 64 samples at 8 standard errors) and SSM-VR is 0."""
     torch.manual_seed(0)
     x = torch.rand(64, 1, 28, 28)
     for loss, lo, hi in (("dsm", 392 - 25, 392 + 25), ("ssm_vr", -1e-12, 1e-12)):
-        module = lit_module(shared_data, tmp_path, [f"loss={loss}", "deq=true"])
+        module = lit_module(tmp_path, [f"loss={loss}", "deq=true"])
         with torch.no_grad():
             module.net.end.weight.zero_()
             module.net.end.bias.zero_()
@@ -95,14 +96,14 @@ def test_noise_conditional_training_loss_closed_forms(tmp_path, shared_data):
     assert module.noise_levels[0].item() == pytest.approx(1.0) and module.noise_levels[-1].item() == pytest.approx(0.01)
 
 
-def test_sample_is_seeded_and_shaped(tmp_path, shared_data):
-    module = lit_module(shared_data, tmp_path, ["deq=true", "loss=dsm"])
+def test_sample_is_seeded_and_shaped(tmp_path):
+    module = lit_module(tmp_path, ["deq=true", "loss=dsm"])
     a = module.sample(3, torch.Generator().manual_seed(1))
     b = module.sample(3, torch.Generator().manual_seed(1))
     assert a.shape == (3, 1, 28, 28) and torch.isfinite(a).all()
     assert torch.allclose(a, b, atol=1e-5)
     with pytest.raises(ValueError, match="loss=dsm"):
-        lit_module(shared_data, tmp_path, ["loss=sm"])
+        lit_module(tmp_path, ["loss=sm"])
 
 
 TABLE5 = ["model.conditioning=cond_norm", "model.noise.sigma_begin=1", "model.noise.num_classes=10"]
@@ -131,9 +132,9 @@ def test_cifar10_experiment_is_the_papers_setting(tmp_path, deq, depth, arch, pa
 
 
 @pytest.mark.parametrize("conditioning", ["cond_norm", "sigma"])
-def test_both_conditionings_train(tmp_path, shared_data, conditioning):
+def test_both_conditionings_train(tmp_path, conditioning):
     """A few SSM-VR steps of the TwoRes network lower the σ²-weighted DSM loss on the training batches."""
-    cfg = compose_train([*TINY, f"data.root={shared_data}", "deq=false", "depth=1", "loss=ssm_vr",
+    cfg = compose_train([*TINY, "deq=false", "depth=1", "loss=ssm_vr",
                          f"model.conditioning={conditioning}", "model.optimizer.lr=3e-3"], tmp_path)
     module = build(cfg.model)
     assert module.net.conditioning == conditioning
@@ -157,15 +158,15 @@ def test_both_conditionings_train(tmp_path, shared_data, conditioning):
     assert dsm() < 0.8 * before
 
 
-def test_unknown_conditioning_is_refused(tmp_path, shared_data):
+def test_unknown_conditioning_is_refused(tmp_path):
     with pytest.raises(ValueError, match="model.conditioning='film' is unknown; valid: cond_norm, sigma"):
-        lit_module(shared_data, tmp_path, ["loss=ssm_vr", "model.conditioning=film"])
+        lit_module(tmp_path, ["loss=ssm_vr", "model.conditioning=film"])
 
 
-def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_path, shared_data):
+def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_path, mnist_root):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "src.train", "model=ncsn", "data=mnist_images", "deq=true", "loss=ssm_vr",
-           f"data.root={shared_data}", "data.limit=200", "data.batch_size=8", "data.eval_batch_size=16",
+           f"data.root={mnist_root}", "data.limit=200", "data.batch_size=8", "data.eval_batch_size=16",
            "model.ngf=4", "model.noise.num_classes=3", "model.sampling.n_steps_each=2",
            "model.metrics.fid.n_samples=8", "model.n_samples_grid=0", "trainer.max_steps=2",
            "trainer.val_check_interval=2", "trainer.limit_val_batches=1", "trainer.limit_test_batches=1",
@@ -185,7 +186,7 @@ def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_pa
     (run / "kept").mkdir()
     kept = run / "kept" / "step.ckpt"
     shutil.copyfile(saved["tested_checkpoint"], kept)
-    again_metrics = evaluate(kept, [f"data.root={shared_data}"])
+    again_metrics = evaluate(kept, [f"data.root={mnist_root}"])
     for key in ("test/dsm_loss", "test/ssm_vr_loss"):
         assert again_metrics[key] == pytest.approx(saved[key], rel=1e-5), key
     assert (run / "eval_metrics.json").is_file() and not (run / "kept" / "eval_metrics.json").exists()
@@ -193,21 +194,21 @@ def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_pa
     from src.runs.sampling import sample_from_checkpoint
 
     out = sample_from_checkpoint(run / "checkpoints" / "last.ckpt", n=5, seed=3, out=tmp_path / "s.png",
-                                 overrides=[f"data.root={shared_data}"])
+                                 overrides=[f"data.root={mnist_root}"])
     images = torch.load(out.with_suffix(".pt"))
     assert images.shape == (5, 1, 28, 28) and 0 <= images.min() and images.max() <= 1
     again = torch.load(sample_from_checkpoint(run / "checkpoints" / "last.ckpt", n=5, seed=3,
-                                              out=tmp_path / "t.png", overrides=[f"data.root={shared_data}"])
+                                              out=tmp_path / "t.png", overrides=[f"data.root={mnist_root}"])
                        .with_suffix(".pt"))
     assert torch.equal(images, again)
 
 
-def test_resume_with_ema_matches_an_uninterrupted_run(tmp_path, shared_data):
+def test_resume_with_ema_matches_an_uninterrupted_run(tmp_path, mnist_root):
     """A DEQ-NCSN with EMA, 2 epochs straight vs 1 epoch, then resumed from its last.ckpt: the same
     trained and averaged weights (noise levels and projections drawn from the restored RNG, the DEQ warm start
     restored)."""
     base = ["logger=none", "callbacks=default", "callbacks.progress_bar=null", "trainer.enable_progress_bar=false",
-            "model=ncsn", "data=mnist_images", f"data.root={shared_data}", "data.limit=24", "data.batch_size=8",
+            "model=ncsn", "data=mnist_images", f"data.root={mnist_root}", "data.limit=24", "data.batch_size=8",
             "data.eval_batch_size=16", "model.ngf=4", "model.noise.num_classes=3", "model.metrics.fid=null",
             "model.n_samples_grid=0", "deq=true", "loss=ssm_vr", "ema=true", "callbacks.ema.decay=0.8",
             "trainer.limit_val_batches=1", "test=false"]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -152,7 +151,8 @@ def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
             return self.injection(x)
 
     monkeypatch.setitem(sys.modules, "src.deq.block", types.SimpleNamespace(DenseDEQBlock=DenseDEQBlock))
-    monkeypatch.setitem(sys.modules, "src.deq.config", types.SimpleNamespace(DEQConfig=DEQConfig))
+    monkeypatch.setitem(sys.modules, "src.deq.config",
+                        types.SimpleNamespace(DEQConfig=DEQConfig, INJECTIONS=("linear", "softplus")))
     model = NICE(dim=9, coupling_net=deq_coupling_factory(6, {"enabled": True, "tol": 1e-9}, n_layers=2)).double()
     assert [m.block.args for m in model.couplings] == [
         (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.0", "softplus"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.1", "softplus"),
@@ -184,13 +184,8 @@ def test_nice_with_deq_couplings_is_exactly_invertible():
     pickle.loads(pickle.dumps(model))
 
 
-SHARED_MNIST = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-
-
-def test_mle_on_mnist_through_a_lightning_trainer():
+def test_mle_on_mnist_through_a_lightning_trainer(mnist_root):
     """Integration: the data module feeds a NICE trained by maximum likelihood; the held-out LL rises."""
-    if not (SHARED_MNIST / "mnist" / "train-images-idx3-ubyte.gz").is_file():
-        pytest.skip("MNIST files not found under ../shared/data/mnist")
     import lightning.pytorch as L
 
     from src.data.mnist import MNISTDataModule
@@ -208,7 +203,7 @@ def test_mle_on_mnist_through_a_lightning_trainer():
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
     L.seed_everything(0, verbose=False)
-    dm = MNISTDataModule(SHARED_MNIST, batch_size=64, download=False, limit=3000)
+    dm = MNISTDataModule(mnist_root, batch_size=64, download=False, limit=3000)
     model = MLE()
     dm.setup()
     with torch.no_grad():

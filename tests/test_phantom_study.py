@@ -7,9 +7,9 @@ import json
 from benchmarks.studies.phantom import main as phantom_main
 
 
-def test_phantom_study_writes_plots_and_errors_fall_with_k(tmp_path, shared_data):
+def test_phantom_study_writes_plots_and_errors_fall_with_k(tmp_path, uci_root):
     out = tmp_path / "phantom"
-    summary = phantom_main(["--root", str(shared_data), "--steps", "3", "--every", "1", "--ks", "1,2,4",
+    summary = phantom_main(["--root", str(uci_root), "--steps", "3", "--every", "1", "--ks", "1,2,4",
                             "--batch-size", "16", "--n-inducing", "8", "--out", str(out)])
     per_k = summary["per_k"]
     rel = [per_k[k]["rel_error"]["mean"] for k in ("1", "2", "4")]

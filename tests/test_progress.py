@@ -47,8 +47,8 @@ def _attach(module, progress_bar: bool):
     return module
 
 
-def test_langevin_sampling_reports_levels_times_steps(shared_data, advances):
-    cfg = compose_train(["model=ncsn", "data=mnist_images", "loss=ssm_vr", f"data.root={shared_data}",
+def test_langevin_sampling_reports_levels_times_steps(advances):
+    cfg = compose_train(["model=ncsn", "data=mnist_images", "loss=ssm_vr",
                          "model.ngf=4", "model.noise.num_classes=3", "model.sampling.n_steps_each=4"])
     module = _attach(build(cfg.model), progress_bar=True)
     x = module.sample(2, generator=torch.Generator().manual_seed(0))
@@ -60,8 +60,8 @@ def test_langevin_sampling_reports_levels_times_steps(shared_data, advances):
     assert advances[-1][2] == 0  # enable_progress_bar=false: silent
 
 
-def test_ais_reports_every_annealing_step(shared_data, advances):
-    cfg = compose_train(["experiment=vae_mnist", f"data.root={shared_data}", "model.latent_dim=2", "model.hidden=8",
+def test_ais_reports_every_annealing_step(advances):
+    cfg = compose_train(["experiment=vae_mnist", "model.latent_dim=2", "model.hidden=8",
                          "model.channels=4", "model.metrics.log_likelihood.ais.n_steps=7",
                          "model.metrics.log_likelihood.ais.n_chains=2", "model.metrics.log_likelihood.ais.leapfrog=1"])
     module = _attach(build(cfg.model), progress_bar=True)

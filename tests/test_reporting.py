@@ -85,6 +85,28 @@ def test_sweep_report_from_loaded_jobs_is_a_pure_function():
     ]
 
 
+def test_sweep_table_shows_each_deq_rows_recurrence_share_beside_its_iterations():
+    def job(deq, seed, iters, share):
+        metrics = {"test/sm_loss": -1.0, "profile/deq_iterations_mean": iters, "test/deq_recurrence_share": share}
+        return {"dir": f"{deq}{seed}", "metrics": {k: v for k, v in metrics.items() if v is not None},
+                "overrides": {"deq": deq, "seed": str(seed)}}
+
+    jobs = [job("true", 0, 8.0, 0.2513), job("true", 1, 10.0, 0.2587), job("false", 0, None, None)]
+    # a model with three DEQ blocks (DKEF's feature networks) logs the share per block: the row shows the mean
+    three = job("three", 0, 4.0, None)
+    three["metrics"].update({f"test/deq_recurrence_share/net.features.{i}.block": v for i, v in
+                             enumerate((0.287, 0.309, 0.318))})
+    three["metrics"]["test/deq_recurrence_share_max/net.features.0.block"] = 0.9  # not a share of the mean
+    md = report.to_markdown(report.summarise_jobs([*jobs, three]))
+    assert md.splitlines() == [
+        "| deq | seeds | test SM loss | DEQ iters | DEQ recurrence share |",
+        "|---|---|---|---|---|",
+        "| false | 1 | -1.00 | — | — |",
+        "| three | 1 | -1.00 | 4.00 | 0.305 |",
+        "| true | 2 | -1.00 ± 0.00 | 9.00 ± 1.41 | 0.255 ± 0.005 |",
+    ]
+
+
 def test_labelled_checkpoint_splits_at_the_last_equals_sign():
     import argparse
 

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from src.runs.checkpoints import load_checked
-from tests.conftest import FAST, REPO_ROOT, SHARED_DATA
+from tests.conftest import FAST, REPO_ROOT, SHARED_DATA, require_mnist
 
 
 class KillAfterStep(L.Callback):
@@ -99,8 +99,6 @@ def assert_equal_tree(a, b, where: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs_root(tmp_path_factory) -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"verified data sets not found at {SHARED_DATA}")
     return tmp_path_factory.mktemp("resume_kill")
 
 
@@ -113,6 +111,8 @@ DEFAULT_SUITE = {"dkef_midval", "vae"}
                                     for f in FAMILIES])
 def test_sigkill_mid_epoch_then_resume_is_bit_equal(runs_root, family):
     overrides, kill_step, steps_per_epoch = FAMILIES[family]
+    if DATA in overrides:  # the image families read MNIST
+        require_mnist()
     overrides = [*overrides, *COMMON]
     full, killed = runs_root / family / "full", runs_root / family / "killed"
     kill = [f"+callbacks.kill._target_={__name__}.KillAfterStep", f"+callbacks.kill.step={kill_step}"]
@@ -161,8 +161,7 @@ def test_validation_leaves_the_training_rng_untouched(tmp_path, one_thread):
     """A DEQ-NCSN validated after every epoch ends with the same weights and RNG state as one never validated:
     validation (its loaders, the seeded contraction check through split_tensor, any metric's draws) leaves the
     training RNG where it found it (src.runs.rng, the loaders' own generators)."""
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"verified data sets not found at {SHARED_DATA}")
+    require_mnist()
     from src.runs.training import train
     from tests.conftest import compose_train
 

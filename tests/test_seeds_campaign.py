@@ -75,11 +75,11 @@ def test_unknown_variant_and_gpu_without_cuda_are_refused(monkeypatch):
 @pytest.mark.slow
 @pytest.mark.parametrize("grid, deq, explicit", [("vae", "DEQ-SSM VAE", "SSM VAE"),
                                                  ("ncsn", "DEQ-SSM-VR NCSN", "TwoRes-SSM-VR NCSN")])
-def test_dry_run_trains_tests_merges_and_compares_two_seeds(shared_data, grid, deq, explicit):
+def test_dry_run_trains_tests_merges_and_compares_two_seeds(mnist_root, grid, deq, explicit):
     """The whole campaign at tiny sizes on the CPU (about a minute a grid on 2 cores)."""
     base = ROOT / "outputs" / "test_seeds_campaign" / grid  # inside the repository: recorded relative
     out, work = base / "out", base / "work"
-    summary = seeds_campaign.main([grid, "--root", str(shared_data), "--dry-run", "--seeds", "0,1", "--variants",
+    summary = seeds_campaign.main([grid, "--root", str(mnist_root), "--dry-run", "--seeds", "0,1", "--variants",
                                    f"{explicit},{deq}", "--parallel", "2", "--work", str(work), "--out", str(out)])
     assert summary["failed"] == [] and len(summary["per_seed"]) == 2
     res = json.loads((out / f"{grid}_mnist_seeds.json").read_text())

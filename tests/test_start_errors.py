@@ -95,3 +95,34 @@ def test_optuna_sweep_goes_on_past_trials_that_never_validated(tmp_path):
                                                              "model.deq_width", "loss"}  # the sampled ones
     assert (tmp_path / "0" / "metrics.json").is_file() and (tmp_path / "1" / "metrics.json").is_file()
     assert yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())["best_params"] is None
+
+
+DKEF_NORMALIZED = "deq.block=normalized_residual is a block of model=ncsn only: model=dkef has its own DEQ block, " \
+                  "so drop deq.block (or set deq.block=null)"
+ONE_PASS_OFF = "deq.one_pass=true needs deq=true: the one-pass control replaces the DEQ's fixed point by one " \
+               "explicit pass, and deq=false has no DEQ; drop deq.one_pass or use deq=true"
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["model=dkef", "loss=sm", "deq=true", "deq.block=normalized_residual"], DKEF_NORMALIZED),
+    (["deq=false", "deq.one_pass=true"], ONE_PASS_OFF),
+    (["model=nice", "data=mnist", "deq=true", "deq.block=normalized_residual"],
+     DKEF_NORMALIZED.replace("model=dkef", "model=nice")),
+])
+def test_impossible_deq_combinations_are_one_line_at_build(overrides, expected):
+    """Issue 49: a DEQ block of another family (a TypeError inside the block before) and the one-pass control
+    without a DEQ (silently ignored before) are refused where the module is built."""
+    assert _refused(overrides) == expected
+
+
+def test_impossible_deq_combinations_on_the_command_line(tmp_path):
+    """The user's view of both refusals: the message, before any training step."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for overrides, expected in ((["model=dkef", "loss=sm", "deq=true", "deq.block=normalized_residual"],
+                                 DKEF_NORMALIZED), (["deq=false", "deq.one_pass=true"], ONE_PASS_OFF)):
+        run_dir = tmp_path / overrides[-1].replace("=", "_")
+        cmd = [sys.executable, "-m", "src.train", *FAST, *overrides, f"hydra.run.dir={run_dir}"]
+        done = subprocess.run(cmd, check=False, cwd=REPO_ROOT, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode != 0
+        assert f"ValueError: {expected}\n" in done.stderr, done.stderr[-2000:]
+        assert "TypeError" not in done.stderr and "Epoch 0" not in done.stdout + done.stderr

@@ -44,8 +44,8 @@ NICE_FAST = ["logger=none", "callbacks=minimal", "model=nice", "data=mnist", "da
 
 @pytest.mark.parametrize("deq", ["true", "false"])
 @pytest.mark.parametrize("loss", ["mle", *LOSSES])
-def test_fast_dev_run_nice(tmp_path, shared_data, loss, deq):
-    cfg = compose_train([*NICE_FAST, f"data.root={shared_data}", f"loss={loss}", f"deq={deq}"], tmp_path)
+def test_fast_dev_run_nice(tmp_path, mnist_root, loss, deq):
+    cfg = compose_train([*NICE_FAST, f"data.root={mnist_root}", f"loss={loss}", f"deq={deq}"], tmp_path)
     train(cfg)
     saved = json.loads((tmp_path / "metrics.json").read_text())
     for key in ("test/sm_loss", "test/log_likelihood", "test/bits_per_dim"):

@@ -37,8 +37,13 @@ N_BATCHES = 4  # distinct batches each case cycles through (seeded)
 
 
 def deq_settings(enabled: bool, **overrides) -> dict:
-    """``conf/deq/true.yaml`` (``enabled`` switched as asked; ``overrides`` on top): written out, so that a
-    revision whose ``src`` has another DEQ settings class builds the same block."""
+    """The DEQ settings every step case ran with (``enabled`` switched as asked; ``overrides`` on top): written
+    out, so that a revision whose ``src`` has another DEQ settings class builds the same block.
+
+    Pinned, not read from the defaults (``src.deq.config.DEQConfig``, their one definition: relative 1e-4 since
+    issue 41): the committed step figures (``benchmarks/results/profile_step.md``, ``speed.md``, the step-cost
+    tables ``*_memory.md``) were made with the earlier absolute 1e-5 stop rule and the paper's Frobenius block (λ = 2), which
+    :data:`benchmarks.lib.paper.PAPER_STOP` / ``PAPER_DEQ`` name for the grids."""
     return {"enabled": enabled, "solver": "picard", "tol": 1e-5, "stop_mode": "abs", "max_iter": 128,
             "phantom_steps": 2, "warm_start": True, "norm_lambda": 2.0, "norm": "frobenius",
             "backward": "phantom", "anderson_m": 5, "anderson_beta": 1.0, "injection": None, **overrides}

@@ -32,33 +32,63 @@ def _deq_config_class() -> type:
     factories picklable) without ``src.deq``."""
     return importlib.import_module("src.deq.config").DEQConfig
 
-INJECTIONS = ("linear", "softplus")
+
+def injections() -> tuple[str, ...]:
+    """The valid ``deq.injection`` values (``src.deq.config.INJECTIONS``, their one definition)."""
+    return importlib.import_module("src.deq.config").INJECTIONS
 
 
-def deq_setting(deq: Any) -> DEQConfig | None:
+# The DEQ blocks beyond the family's own (``deq.block: null``) that a family can build: a ``deq.block`` of another
+# family is refused in one line (model=dkef with deq.block=normalized_residual was a TypeError deep in the block).
+FAMILY_BLOCKS: dict[str, tuple[str, ...]] = {"ncsn": ("normalized_residual",)}
+
+
+def deq_setting(deq: Any, family: str | None = None) -> DEQConfig | None:
     """The ``deq`` config group → ``DEQConfig`` (``enabled: true``) or ``None`` (``enabled: false``, or no group).
 
-    The one place that reads ``deq.enabled``; the other keys are checked by ``DEQConfig`` (one-line errors)."""
-    if deq is None or isinstance(deq, _deq_config_class()):
-        return deq
+    The one place that reads ``deq.enabled``; the other keys are checked by ``DEQConfig`` (one-line errors), and
+    with ``family`` given (``dkef``, ``nice``, …) a ``deq.block`` that family cannot build is refused first
+    (:func:`check_block`). ``deq=false`` with ``deq.one_pass=true`` is refused: the one-pass control replaces a
+    DEQ's fixed point, and explicit layers have none (the other solver keys stay valid with ``deq=false``, so
+    that sweeps over ``deq=true,false`` keep them)."""
+    if deq is None:
+        return None
+    if isinstance(deq, _deq_config_class()):
+        return block_config(deq, family)
     cfg = plain(deq)
     if not isinstance(cfg, Mapping):
         raise ValueError(f"deq={deq!r}: give the deq config group (deq=true or deq=false, then deq.<key>=<value>)")  # noqa: TRY004
     if not bool(cfg.get("enabled", False)):
+        if cfg.get("one_pass"):
+            raise ValueError("deq.one_pass=true needs deq=true: the one-pass control replaces the DEQ's fixed point "
+                             "by one explicit pass, and deq=false has no DEQ; drop deq.one_pass or use deq=true")
         return None
-    return block_config(cfg)
+    return block_config(cfg, family)
 
 
-def block_config(deq: Any) -> DEQConfig:
+def block_config(deq: Any, family: str | None = None) -> DEQConfig:
     """The solver keys of a ``deq`` mapping as a ``DEQConfig`` (a ``DEQConfig`` passes through, ``None`` gives the
     defaults), for code that builds a DEQ block by construction (``DEQNet``, NCSN's DEQ-ResBlock): it does not
-    ask whether the DEQ is on — :func:`deq_setting` does, before."""
+    ask whether the DEQ is on — :func:`deq_setting` does, before. ``family``: refuse a block it cannot build
+    (before the other keys are checked, whose messages assume the block is possible)."""
     config_class = _deq_config_class()
     if isinstance(deq, config_class):
+        check_block(family, deq.block)
         return deq
     cfg = dict(plain(deq) or {})
     cfg.pop("enabled", None)
+    check_block(family, cfg.get("block"))
     return config_class(**cfg)
+
+
+def check_block(family: str | None, block: str | None) -> None:
+    """Refuse ``deq.block`` when ``family`` cannot build it (:data:`FAMILY_BLOCKS`; nothing is refused when
+    ``family`` or ``block`` is None), in one line naming the keys."""
+    if family is None or block is None or block in FAMILY_BLOCKS.get(family, ()):
+        return
+    owners = [f"model={f}" for f, blocks in FAMILY_BLOCKS.items() if block in blocks]
+    raise ValueError(f"deq.block={block} is a block of {', '.join(owners) or 'no model family'} only: model={family} "
+                     "has its own DEQ block, so drop deq.block (or set deq.block=null)")
 
 
 @dataclass(frozen=True)
@@ -115,8 +145,8 @@ def resolve_depth(family: str, depth: int | None, deq: DEQConfig | None) -> int:
 def resolve_injection(family: str, injection: str | None) -> str:
     """``deq.injection``: ``linear`` | ``softplus``, or ``None`` for the family's default."""
     value = _rule(family).injection if injection is None else injection
-    if value not in INJECTIONS:
-        raise ValueError(f"deq.injection={injection!r} is unknown; valid: {', '.join(INJECTIONS)} "
+    if value not in injections():
+        raise ValueError(f"deq.injection={injection!r} is unknown; valid: {', '.join(injections())} "
                          "(or null for the model family's default)")
     return value
 

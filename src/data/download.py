@@ -70,14 +70,6 @@ class RemoteFile:
         return self.candidates(root)[0]
 
 
-def md5sum(path: str | os.PathLike) -> str:
-    h = hashlib.md5()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(_CHUNK), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def find_file(spec: RemoteFile, root: str | os.PathLike) -> Path | None:
     """The first existing candidate path of ``spec`` under ``root``, or None."""
     for path in spec.candidates(root):

@@ -8,13 +8,17 @@ SOLVERS = ("picard", "anderson", "broyden")
 BACKWARDS = ("phantom", "implicit")
 STOP_MODES = ("abs", "rel")
 NORMS = ("frobenius", "spectral", "none")  # none: the weights as they are (hand-built maps)
-INJECTIONS = (None, "linear", "softplus")
+INJECTIONS = ("linear", "softplus")  # deq.injection; null: the model family's (src.config.deq.DEPTH_RULES)
 BLOCKS = (None, "normalized_residual")  # None: the family's block
 PAPER_NORM, PAPER_NORM_LAMBDA = "frobenius", 2.0  # §3.2: W / (λ‖W‖_F), λ = 2 — what an unset deq.norm means
 
 
 @dataclass
 class DEQConfig:
+    """The ``deq`` keys of a DEQ block, checked on construction (one-line ``ValueError``s). Its field defaults are
+    the one definition of the DEQ defaults: :func:`src.deq.solvers.solve` takes its keyword defaults from them and
+    ``conf/shared/deq_solver.yaml`` writes the same values out (a test compares them)."""
+
     solver: str = "picard"
     # Stop rule: per sample ‖f(z) − z‖ ≤ tol·‖f(z)‖ (rel). A float32 CIFAR-sized state [B, 128, 32, 32] reaches
     # a relative residual of ~5e-8 and ‖z‖ ~ 300, so the former absolute 1e-5 was at its rounding floor and ran
@@ -73,7 +77,7 @@ class DEQConfig:
             self.norm_lambda = PAPER_NORM_LAMBDA if self.norm_lambda is None else self.norm_lambda
         if self.norm is not None and self.norm not in NORMS:
             raise ValueError(f"deq.norm={self.norm!r} is unknown; valid: {', '.join(NORMS)}")
-        if self.injection not in INJECTIONS:
+        if self.injection is not None and self.injection not in INJECTIONS:
             raise ValueError(f"deq.injection={self.injection!r} is unknown; valid: linear, softplus "
                              "(or null for the model family's default)")
         if self.block not in BLOCKS:

@@ -6,7 +6,9 @@
 - ``broyden``: limited-memory "good" Broyden on g(z) = f(z) − z, with a Picard step as fallback.
 
 Stopping: per sample, ‖f(z) − z‖ ≤ tol (``abs``) or ≤ tol·‖f(z)‖ (``rel``), L2 over non-batch dimensions;
-the solve stops when every sample meets it or after ``max_iter`` evaluations of f.
+the solve stops when every sample meets it or after ``max_iter`` evaluations of f. The defaults of every keyword
+(solver, tol, stop_mode, max_iter, anderson_m, anderson_beta) are :class:`src.deq.config.DEQConfig`'s, their one
+definition.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from src.deq.config import DEQConfig as _D  # the defaults' one definition (its fields' default values)
 
 
 @dataclass
@@ -35,7 +39,7 @@ def _done(res: torch.Tensor, fz: torch.Tensor, tol: float, stop_mode: str) -> bo
 
 
 @torch.no_grad()
-def picard(f, z0, *, tol=1e-5, max_iter=128, stop_mode="abs", **_) -> SolverResult:
+def picard(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, **_) -> SolverResult:
     z = z0
     res = torch.full((z0.shape[0],), float("inf"), device=z0.device, dtype=z0.dtype)
     for it in range(1, max_iter + 1):
@@ -48,7 +52,8 @@ def picard(f, z0, *, tol=1e-5, max_iter=128, stop_mode="abs", **_) -> SolverResu
 
 
 @torch.no_grad()
-def anderson(f, z0, *, tol=1e-5, max_iter=128, stop_mode="abs", anderson_m=5, anderson_beta=1.0, lam=1e-8, **_):
+def anderson(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, anderson_m=_D.anderson_m,
+             anderson_beta=_D.anderson_beta, lam=1e-8, **_):
     bsz = z0.shape[0]
     shape = z0.shape
     m = anderson_m
@@ -90,7 +95,7 @@ def anderson(f, z0, *, tol=1e-5, max_iter=128, stop_mode="abs", anderson_m=5, an
 
 
 @torch.no_grad()
-def broyden(f, z0, *, tol=1e-5, max_iter=128, stop_mode="abs", memory=30, **_) -> SolverResult:
+def broyden(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, memory=30, **_) -> SolverResult:
     """Limited-memory Broyden ("good" update) on g(z) = f(z) − z, inverse Jacobian B ≈ −I + Σ u vᵀ.
 
     Keeps the last ``memory`` pairs (u, v): 2·memory extra copies of the state (mind large conv states).
@@ -144,7 +149,8 @@ def broyden(f, z0, *, tol=1e-5, max_iter=128, stop_mode="abs", memory=30, **_) -
 SOLVER_FUNCTIONS = {"picard": picard, "anderson": anderson, "broyden": broyden}
 
 
-def solve(f, z0, *, method="picard", tol=1e-5, max_iter=128, stop_mode="abs", anderson_m=5, anderson_beta=1.0):
+def solve(f, z0, *, method=_D.solver, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode,
+          anderson_m=_D.anderson_m, anderson_beta=_D.anderson_beta):
     """Solve z = f(z) from z0 with the named method (always under ``no_grad``)."""
     try:
         fn = SOLVER_FUNCTIONS[method]

@@ -38,7 +38,7 @@ class NICELitModule(ScoreMatchingModule):
         super().__init__(loss=loss, optimizer=optimizer, metrics=metrics)
         self.save_hyperparameters()
         metric_options(metrics, "log_likelihood", {})  # the exact likelihood takes no options: refuse any
-        setting = deq_setting(deq)
+        setting = deq_setting(deq, "nice")
         depth = resolve_depth("nice", depth, setting)
         if setting is not None:
             factory = deq_coupling_factory(deq_width, setting, n_layers=depth)

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from src.config.deq import INJECTIONS, block_config, resolve_injection
+from src.config.deq import block_config, injections, resolve_injection
 from src.config.values import plain
 
 KINDS = ("dense", "conv")
@@ -46,7 +46,7 @@ def make_injection(kind: str, injection: str, in_features: int, width: int, kern
         return layer
     if injection == "softplus":
         return nn.Sequential(layer, nn.Softplus())
-    raise ValueError(f"injection={injection!r} is unknown; valid: {', '.join(INJECTIONS)}")
+    raise ValueError(f"injection={injection!r} is unknown; valid: {', '.join(injections())}")
 
 
 class DEQNet(nn.Module):
@@ -72,7 +72,7 @@ class DEQNet(nn.Module):
             if kind == "conv":
                 raise ValueError(f"activation={activation!r}: conv DEQ maps use Softplus")
 
-        config = block_config(deq)
+        config = block_config(deq, family)
         self.injection_kind = resolve_injection(family, injection if injection is not None else config.injection)
         if int(width) < 1 or int(n_layers) < 1:
             raise ValueError(f"width and n_layers must be >= 1, got width={width}, n_layers={n_layers}")

@@ -73,7 +73,7 @@ def build_feature_net(
     DEQ's f with ``deq=true`` (default 1), so every point of a ``deq x depth`` sweep is a valid model
     (:func:`src.config.deq.resolve_depth`); ``deq`` is parsed by :func:`src.config.deq.deq_setting`.
     """
-    setting = deq_setting(deq)
+    setting = deq_setting(deq, "dkef")
     depth = resolve_depth("dkef", depth, setting)
     if setting is not None:
         return DEQFeatures(in_dim, out_dim, width=deq_width, n_layers=int(depth), deq=setting, skip=skip, name=name)

@@ -32,14 +32,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.config.deq import block_config, deq_setting, resolve_depth
+from src.config.deq import deq_setting, resolve_depth
 from src.deq.block import ConditionalResidualDEQBlock, NormalizedResidualDEQBlock, ResidualDEQBlock
+from src.deq.config import DEQConfig
 from src.layers.instance_norm import norm_act
 
 ARCHS = ("refinenet", "deq")
@@ -246,11 +246,11 @@ class DEQResBlock(nn.Module):
 
     ``num_classes`` labels: the noise level enters h as map parameters
     (:class:`src.deq.block.ConditionalResidualDEQBlock`); None (σ-scaled conditioning): h has no per-level
-    parameters (:class:`src.deq.block.ResidualDEQBlock`), called with the labels all the same."""
+    parameters (:class:`src.deq.block.ResidualDEQBlock`), called with the labels all the same. ``config`` is the
+    ``deq`` setting :class:`NCSN` parsed, once (:func:`src.config.deq.deq_setting`)."""
 
-    def __init__(self, channels: int, num_classes: int | None, deq: Any = None, name: str = "ncsn.deq"):
+    def __init__(self, channels: int, num_classes: int | None, config: DEQConfig, name: str = "ncsn.deq"):
         super().__init__()
-        config = block_config(deq)
         if config.block == "normalized_residual":  # the paper authors' code's block (identity injection)
             self.block = NormalizedResidualDEQBlock(channels, 3, config=config, name=name)
         elif num_classes is None:
@@ -297,7 +297,7 @@ class NCSN(nn.Module):
         self.arch, self.ngf, self.centered_input = arch, int(ngf), bool(centered_input)
         self.num_classes = sig.numel()
         n = self.num_classes if conditioning == "cond_norm" else None  # what the blocks are conditioned on
-        setting = deq_setting(deq) if arch == "deq" else None
+        setting = deq_setting(deq, "ncsn") if arch == "deq" else None
         self.deq_enabled = setting is not None
         c1, c2 = self.ngf, 2 * self.ngf
         self.begin = conv3x3(channels, c1)

@@ -122,17 +122,17 @@ def build_supervised_net(in_dim: int, out_dim: int = 1, *, arch: str = "auto", d
     count), ``match=neurons`` (``width`` hidden neurons spread over the depth − 1 hidden layers)."""
     if arch not in ARCHS:
         raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
-    setting = deq_setting(deq)
+    setting = deq_setting(deq, "supervised")
     if arch == "auto":
         arch = "deq" if setting is not None else "mlp"
     if arch == "diag_deq":
         return DiagonalLinearDEQ(in_dim, bias=bias, beta0=beta0)
     if arch == "diag_net":
         return DiagonalLinearNet(in_dim, bias=bias, alpha=alpha)
-    if arch == "deq":
-        return DEQNet(in_dim, out_dim, int(width), deq=deq, family="supervised",
-                      n_layers=resolve_depth("supervised", depth, block_config(deq)),
-                      activation=activation)
+    if arch == "deq":  # a DEQ whether or not deq.enabled: its keys, parsed once and handed down
+        config = setting if setting is not None else block_config(deq, "supervised")
+        return DEQNet(in_dim, out_dim, int(width), deq=config, family="supervised",
+                      n_layers=resolve_depth("supervised", depth, config), activation=activation)
     depth = resolve_depth("supervised", depth, None)
     if match == "params":
         hidden = hidden_for_params(deq_params(in_dim, out_dim, int(width)), in_dim, out_dim, depth)

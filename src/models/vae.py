@@ -190,7 +190,7 @@ class ScoreEstimator(nn.Module):
         super().__init__()
         if aug_init not in AUG_INITS:
             raise ValueError(f"model.aug_init={aug_init!r} is unknown; valid: {', '.join(AUG_INITS)}")
-        config = deq_setting(deq)
+        config = deq_setting(deq, "vae")
         self.deq_enabled = config is not None
         self.depth = resolve_depth("vae", depth, config)
         self.image_shape, self.latent_dim, self.arch, self.m = tuple(image_shape), int(latent_dim), arch, int(channels)

@@ -22,7 +22,7 @@ from src.reports.tables import (
     summarise_metrics,
 )
 
-__all__ = ["COLUMNS", "build_report", "group_jobs", "load_jobs", "plot", "summarise", "summarise_jobs", "to_markdown"]
+__all__ = ["COLUMNS", "block_share", "build_report", "group_jobs", "load_jobs", "plot", "summarise", "summarise_jobs", "to_markdown"]
 
 # (metrics.json key, column title, decimals shown)
 COLUMNS = [
@@ -34,7 +34,11 @@ COLUMNS = [
     ("profile/peak_cuda_bytes_max", "peak CUDA MB", 2),
     ("profile/time_per_step_s", "s/step", 4),
     ("profile/deq_iterations_mean", "DEQ iters", 2),
+    # beside the iterations, how much the recurrence does: ‖z* − φ(0)‖/‖z*‖ at the test (src.deq.diagnostics;
+    # below 0.10 the block is near-inert, in effect an explicit network); the mean over blocks (block_share)
+    ("test/deq_recurrence_share", "DEQ recurrence share", 3),
 ]
+SHARE = "test/deq_recurrence_share"
 SEED_KEYS = {"seed"}
 IGNORED_KEYS = {"hydra.job.num", "paths.output_dir"}
 
@@ -66,11 +70,21 @@ def group_jobs(jobs: list[dict]) -> tuple[list[str], dict[tuple, list[dict]]]:
     return keys, dict(sorted(regrouped.items()))
 
 
+def block_share(metrics: dict) -> dict:
+    """``metrics`` with ``test/deq_recurrence_share`` for the table: a model with one DEQ block logs it as is; one
+    with several (DKEF's three feature networks, NICE's couplings) logs it per block (``…/<block>``), and the
+    table shows their mean."""
+    if SHARE in metrics:
+        return metrics
+    per_block = [v for k, v in metrics.items() if k.startswith(SHARE + "/") and isinstance(v, (int, float))]
+    return {**metrics, SHARE: mean(per_block)} if per_block else metrics
+
+
 def summarise_jobs(jobs: list[dict], dirs: list[Path] | None = None) -> dict:
     """The report (what ``report.json`` holds) of already loaded jobs: a pure function."""
     keys, groups = group_jobs(jobs)
     rows = [{"group": dict(zip(keys, values)), "n_seeds": len(members),
-             "metrics": summarise_metrics([j["metrics"] for j in members], [k for k, _, _ in COLUMNS])}
+             "metrics": summarise_metrics([block_share(j["metrics"]) for j in members], [k for k, _, _ in COLUMNS])}
             for values, members in groups.items()]
     return {"keys": keys, "rows": rows, "n_jobs": len(jobs), "dirs": [str(d) for d in dirs or []]}
 

@@ -24,7 +24,7 @@ from src.callbacks.checkpoint import LastCheckpoint
 from src.callbacks.ema import check_resume
 from src.callbacks.memory_estimate import MemoryEstimate
 from src.callbacks.profiling import ProfilingCallback
-from src.config.deq import deq_setting
+from src.config.deq import deq_setting, family_of
 from src.config.family_data import check_family_data
 from src.metrics.presets import apply_eval_preset
 from src.reports.optuna_sweep import install as _install_sweep_report
@@ -55,7 +55,7 @@ def validate_config(cfg: DictConfig) -> None:
     # depth default and check in src.config.deq.resolve_depth, the DEQ keys in src.deq.config.DEQConfig.
     # Here only what no single group can see: combinations across groups.
     check_family_data(cfg)  # model=ncsn / model=vae on the default (non-image) data: one line naming the data
-    deq = deq_setting(cfg.get("deq"))
+    deq = deq_setting(cfg.get("deq"), family_of(cfg))  # and a deq.block of another family, deq=false one_pass
     loss = cfg.get("loss")
     if loss is not None and loss.get("name") == "cp" and deq is not None and deq.backward == "implicit":
         raise ValueError(
