@@ -18,8 +18,9 @@ Truncated higher orders (``exact_orders``): the adjoint of level k > ``exact_ord
 the K-term Neumann series v = Σ_{j<K} ((∂_u φ)ᵀ)ʲ ū, differentiable by plain autograd (K = 1: v = ū, the
 Jacobian-free step of Fung et al. 2022 at that level) — the phantom gradient (Alg. 1) of the adjoint fixed point.
 With ``exact_orders=1`` and an SSM-VR loss the loss's own input derivative (order 1) is exact and only its
-parameter gradient (order 2) is truncated, which skips the second-level solve, the costliest part of the step
-(each of its iterations is a double backward of φ: benchmarks/results/ncsn_deq_cost.md).
+parameter gradient (order 2) is truncated, which skips the second-level solve (the largest single part of the
+NCSN step: benchmarks/results/ncsn_deq_cost.md); on the NCSN's normalised block that biased gradient diverged
+training, so it is an option, not a default.
 
 Memory does not grow with solver iterations: the Function saves u* and p; each adjoint solve builds φ's
 graph once and runs one vector-Jacobian product per iteration on it (:meth:`_Adjoint.prepare`).

@@ -121,8 +121,9 @@ class NormalizedResidualMap:
         # its channel-means term is the instance norm): it saves only its input for backward and recomputes the
         # rest, at every derivative order. The exact second-order path of SSM-VR builds φ's graph and its
         # create_graph backward at every level of the implicit backward, and with plain ops the norms kept six
-        # full-size tensors each there: at ncsn_mnist recomputing cut the record block's step from 601 to
-        # 414-427 MB saved and 1.72 to 1.39-1.45 s (benchmarks/results/ncsn_deq_cost.md). False: plain ops.
+        # full-size tensors each there: at ncsn_mnist recomputing cuts the record block's step from 558 to 413 MB
+        # saved and 2.30 to 2.04 s (benchmarks/results/ncsn_deq_cost.md, record_plain_norms vs record). False: plain
+        # ops.
         self.recompute = bool(recompute)
 
     @property
