@@ -47,16 +47,16 @@ class DEQConfig:
     # normalized by deq.norm); normalized_residual = the paper authors' code's block, (z + ResBlock(z))/w + x
     # with norms inside and w = 2‖K₁‖_F‖K₂‖_F (src.deq.block.NormalizedResidualDEQBlock).
     block: str | None = None
+    # The implicit backward's exact orders: derivative orders through the DEQ whose adjoint fixed points are solved
+    # (None: every order); the adjoints of higher orders are phantom_steps-term Neumann series (src.deq.implicit).
+    # 1 with SSM-VR: the loss's input derivative exact, its parameter gradient truncated (no second-level solve).
+    exact_orders: int | None = None
     # Jacobian regularisation (Bai, Koltun & Kolter 2021, "Stabilizing Equilibrium Models by Jacobian
     # Regularization"): γ·‖εᵀ ∂f/∂z‖²/n at the fixed point (ε ~ N(0, I), n = ε's entries; a Hutchinson estimate of
     # ‖J_f‖_F² per state entry) added to the training loss, on the first ``jacobian_penalty_rows`` samples of the
     # batch (0: all). 0 = off. Meant to keep f contracting where the backward alone does not (the phantom K = 1
     # backward ignores the recurrence in the derivatives); on the NCSN's normalised block with K = 1 it did not
     # (γ = 1, 100: solves at the cap within 90 steps, benchmarks/results/ncsn_deq_cost.md).
-    # The implicit backward's exact orders: derivative orders through the DEQ whose adjoint fixed points are solved
-    # (None: every order); the adjoints of higher orders are phantom_steps-term Neumann series (src.deq.implicit).
-    # 1 with SSM-VR: the loss's input derivative exact, its parameter gradient truncated (no second-level solve).
-    exact_orders: int | None = None
     jacobian_penalty: float = 0.0
     jacobian_penalty_rows: int = 8
 

@@ -22,12 +22,14 @@ parameter gradient (order 2) is truncated, which skips the second-level solve (t
 NCSN step: benchmarks/results/ncsn_deq_cost.md); on the NCSN's normalised block that biased gradient diverged
 training, so it is an option, not a default.
 
-Memory does not grow with solver iterations: the Function saves u* and p; each adjoint solve builds φ's
-graph once and runs one vector-Jacobian product per iteration on it (:meth:`_Adjoint.prepare`).
+Memory does not grow with solver iterations: the Function saves u* and p; each adjoint solve takes one product
+with φ's Jacobian per iteration — a VJP on φ's graph, built once, at odd levels, a forward-mode JVP (no graph) at
+even ones (:meth:`_Adjoint.prepare`).
 """
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable
 
@@ -105,8 +107,13 @@ class _Adjoint:
         return step
 
 
+# whether forward mode runs a map: tried once per map function or map class (maps of one class share their ops)
+_FORWARD_MODE: dict[object, bool] = {}
+
+
 def _jvp_step(base: Callable, u_bar, u_star, params) -> Callable | None:
-    """v ↦ ū + J v by forward-mode AD of ``base`` at u* (None when forward mode cannot run it)."""
+    """v ↦ ū + J v by forward-mode AD of ``base`` at u* (None when forward mode cannot run it: tried on the first
+    map function or class, then remembered, so the solve's hot path pays no trial product)."""
     from torch.func import jvp
 
     u_star = u_star.detach()
@@ -115,13 +122,16 @@ def _jvp_step(base: Callable, u_bar, u_star, params) -> Callable | None:
     def step(v):
         return u_bar + jvp(lambda z: base(z, *detached), (u_star,), (v,))[1]
 
-    try:
-        with warnings.catch_warnings():  # torch's own notice when the first forward-mode product loads its rules
-            warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit.script.*")
-            step(torch.zeros_like(u_star))
-    except (RuntimeError, NotImplementedError):
-        return None
-    return step
+    kind = base if inspect.isfunction(base) else type(base)
+    if kind not in _FORWARD_MODE:
+        try:
+            with warnings.catch_warnings():  # torch's own notice when the first forward-mode product loads its rules
+                warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*torch.jit.script.*")
+                step(torch.zeros_like(u_star))
+            _FORWARD_MODE[kind] = True
+        except (RuntimeError, NotImplementedError):
+            _FORWARD_MODE[kind] = False
+    return step if _FORWARD_MODE[kind] else None
 
 
 def _prepared(phi: Callable, params: tuple) -> Callable:
