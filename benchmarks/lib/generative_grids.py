@@ -19,6 +19,10 @@ GRIDS = {
             "Aug(8)-SSM VAE": ["deq=false", "depth=8"],
             "Aug(16)-SSM VAE": ["deq=false", "depth=16"],
             "DEQ-SSM VAE": ["deq=true", *PAPER_DEQ],  # experiment=vae_mnist: spectral λ = 2 now
+            # the campaign's arms (issue 48): the block of record (the experiment's default) and its one-pass
+            # control (the same network applied once from z = 0: what the recurrence adds)
+            "DEQ-SSM VAE (record)": ["deq=true"],
+            "DEQ-SSM VAE (one-pass)": ["deq=true", "deq.one_pass=true"],
         },
         # what each checkpoint is tested with (on top of the run's config)
         "metrics": [("test/fid", "FID", "{:.1f}"), ("test/log_likelihood", "AIS log p(x)", "{:.2f}"),
@@ -31,6 +35,11 @@ GRIDS = {
         "variants": {
             "SSM-VR NCSN (RefineNet)": ["model.arch=refinenet"],
             "TwoRes-SSM-VR NCSN": ["deq=false", "depth=1"],
+            # the quality reference line: the same network trained by DSM (what the NCSN references train)
+            "TwoRes-DSM NCSN": ["deq=false", "depth=1", "loss=dsm"],
+            # the campaign's arms (issue 48): the block of record (the experiment's default) and its one-pass control
+            "DEQ-SSM-VR NCSN (record)": ["deq=true"],
+            "DEQ-SSM-VR NCSN (one-pass)": ["deq=true", "deq.one_pass=true"],
             # ncsn_mnist defaults to the normalised block now: the paper's DEQ-ResBlock pinned
             "DEQ-SSM-VR NCSN": ["deq=true", *PAPER_NCSN_BLOCK, *PAPER_STOP],
             # each conv of the DEQ map normalised by its operator norm: contracts at ≈ 0.08 at init, not 3e-4;
