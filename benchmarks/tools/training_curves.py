@@ -152,7 +152,10 @@ def evaluate_final(run: dict, run_dir: Path, args, evaluate) -> None:
     metrics = evaluate(last, [*overrides, f"model.metrics.log_likelihood.test_points={n}"])
     run["final"] = checkpoint_facts(last) | {"checkpoint": last.name, "ais_points": n, "eval_s": time.time() - t0,
                                              "metrics": {k: v for k, v in metrics.items()
-                                                         if isinstance(v, (int, float))}}
+                                                         if isinstance(v, (int, float))},
+                                             # AIS per test image (the same first n images in every run): the
+                                             # arms compare paired by image (generative_seeds.py)
+                                             "per_point": metrics.get("test/log_likelihood_per_point")}
     print(f"{last.name}: AIS on {n} test images in {time.time() - t0:.0f} s", flush=True)
 
 

@@ -171,6 +171,8 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
     def on_test_epoch_end(self):
         self.test_results = self._metrics_end("test")
         self.test_results.update(self.deq_recurrence_metrics("test"))
+        for m in self._stage_metrics("test"):  # per-point lists (paired comparisons): metrics.json only, not logged
+            self.test_results.update(m.point_values())
 
     # ------------------------------------------------------------------ samples
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor | None:

@@ -66,6 +66,11 @@ class EvalMetric(nn.Module):
     def compute(self, module, stage: str) -> dict[str, float]:
         raise NotImplementedError
 
+    def point_values(self) -> dict[str, list[float]]:
+        """Per-test-point values, in test-set order, for comparisons paired by point (written to metrics.json
+        beside the scalars, never logged); ``{}`` for a metric that keeps none."""
+        return {}
+
     def reset(self) -> None:
         for m in self.modules():
             if isinstance(m, (torchmetrics.Metric, MeanAndStderr)) and m is not self:

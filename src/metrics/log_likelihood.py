@@ -14,7 +14,11 @@ class LogLikelihood(EvalMetric):
     log p̃ − log Ẑ with Ẑ by importance sampling; VAE: AIS).
 
     ``options`` configure the family's estimator (DKEF: ``samples``, ``proposal_std``; VAE: ``test_points``,
-    ``seed``, ``ais.*``): the family reads and checks them with :func:`metric_options`."""
+    ``seed``, ``ais.*``): the family reads and checks them with :func:`metric_options`.
+
+    Each test point's value is kept too (:meth:`point_values`: ``test/<name>_per_point`` in metrics.json), so
+    two runs tested on the same first points (AIS: the first ``test_points`` test images) compare paired by
+    point. Kept in one process only: under DDP each rank sees a strided share, and the list is left out."""
 
     name = "log_likelihood"
     stages = ("test",)
@@ -22,6 +26,7 @@ class LogLikelihood(EvalMetric):
     def __init__(self, **_options):  # read by the family (metric_options), not by the metric
         super().__init__()
         self.parts = nn.ModuleDict()
+        self.points: dict[str, list[float]] = {}
 
     def update(self, module, x, stage):
         with torch.no_grad():
@@ -30,6 +35,7 @@ class LogLikelihood(EvalMetric):
             if key not in self.parts:
                 self.parts[key] = MeanAndStderr().to(v.device)
             self.parts[key].update(v)
+            self.points.setdefault(key, []).extend(v.detach().double().flatten().cpu().tolist())
 
     def compute(self, module, stage):
         out = {}
@@ -39,5 +45,11 @@ class LogLikelihood(EvalMetric):
         out.update(module.log_likelihood_constants())
         return out
 
+    def point_values(self) -> dict[str, list[float]]:
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized() \
+            and torch.distributed.get_world_size() > 1
+        return {} if distributed else {f"test/{k}_per_point": list(v) for k, v in self.points.items()}
+
     def reset(self):
         self.parts = nn.ModuleDict()
+        self.points = {}
