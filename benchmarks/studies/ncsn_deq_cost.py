@@ -57,6 +57,8 @@ ARMS = {
     "one_pass": ("deq=true deq.one_pass=true", "the record's one-pass control φ(0)"),
     "record_plain_norms": (RECORD, "the record (normalised ResBlock, exact implicit backward) with plain-op norms"),
     "record": (RECORD, "the record: normalised ResBlock, exact implicit backward, recomputing norms"),
+    "record_autograd_products": (RECORD, ("the record with autograd's Jacobian products in its adjoint solves "
+                                          "(a VJP on a graph built once, torch.func.jvp), not the map's own")),
     "record_anderson": (f"{RECORD} deq.solver=anderson", "the record with Anderson for every solve"),
     "exact_orders_1": (f"{RECORD} deq.exact_orders=1 deq.phantom_steps=1",
                        "the record, order-2 adjoint truncated to one Neumann term (no level-2 solve)"),
@@ -65,6 +67,9 @@ ARMS = {
                       "phantom K = 1 + Jacobian penalty γ = 100 on 8 rows"),
 }
 MB = 2**20
+# the clock of every timed figure: wall (perf_counter), or with --clock cpu this process's CPU time (one torch
+# thread: the step's compute, not the waits while other processes hold the cores; for a busy machine)
+CLOCK = [time.perf_counter]
 # The same accounting for every family (section ``families``): each family's experiment, its DEQ of record (the
 # experiment's deq=true), the paper's block, the record's one-pass control and the explicit network.
 FAMILY_BASE = {"dkef": "experiment=dkef_uci data=redwine loss=sm", "nice": "experiment=nice_mnist loss=ssm",
@@ -126,11 +131,11 @@ class _Phases:
     @contextlib.contextmanager
     def phase(self, name):
         self.stack.append(name)
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         try:
             yield
         finally:
-            self.seconds[name] += time.perf_counter() - t0  # inclusive of nested phases
+            self.seconds[name] += CLOCK[0]() - t0  # inclusive of nested phases
             self.stack.pop()
 
 
@@ -160,6 +165,16 @@ def worker(spec: dict) -> dict:
         dm = build(cfg.data)
         dm.setup("fit")
         batches = iter(dm.train_dataloader())
+    CLOCK[0] = time.process_time if spec.get("clock") == "cpu" else time.perf_counter
+    if spec["arm"] == "record_autograd_products":  # the adjoint solves fall back to autograd's products
+        from src.deq.maps import NormalizedResidualMap
+
+        class AutogradProducts(NormalizedResidualMap):
+            linearize = None
+
+        for m in module.modules():
+            if isinstance(getattr(m, "phi", None), NormalizedResidualMap):
+                m.phi.__class__ = AutogradProducts
     if spec["arm"] == "record_plain_norms":
         for m in module.modules():
             if hasattr(m, "phi") and hasattr(m.phi, "recompute"):
@@ -181,10 +196,10 @@ def worker(spec: dict) -> dict:
                 by_phase[phases.stack[-1]] += storage.nbytes()
             return t
 
-        t0 = time.perf_counter()
+        t0 = CLOCK[0]()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             training_step(module, batch, optimizers)
-        seconds = time.perf_counter() - t0
+        seconds = CLOCK[0]() - t0
         if k >= int(spec["warmup"]):
             its = [b.last_stats["iterations"] for b in blocks if b.last_stats]
             adjoint = [b.last_backward_stats["iterations"] for b in blocks if b.last_backward_stats]
@@ -218,7 +233,7 @@ def run_cost(args) -> dict:
         for arm in (arms if r % 2 == 0 else arms[::-1]):
             spec = {"arm": arm, "overrides": catalogue.get(arm, ("",))[0], "root": args.root,
                     "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "setting": args.section,
-                    "family": arm.split("/")[0] if args.section == "families" else None}
+                    "family": arm.split("/")[0] if args.section == "families" else None, "clock": args.clock}
             print(f"round {r + 1}/{args.rounds}: {arm} …", flush=True)
             ran = run_process([sys.executable, "-m", MODULE, "--worker", json.dumps(spec)], thread_env(args.threads))
             if ran["code"] != 0:
@@ -248,6 +263,7 @@ def run_cost(args) -> dict:
             "families": "; ".join(f"{f}: `{b}`" for f, b in FAMILY_BASE.items())}.get(args.section, " ".join(BASE))
     return {"meta": {"command": args.command, "machine": machine_facts(), "threads": args.threads,
                      "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
+                     **({"clock": "cpu"} if args.clock == "cpu" else {}),
                      "base": base, "note": _note(args)}, "rows": rows}
 
 
@@ -306,7 +322,10 @@ def _cost_lines(cost: dict, title: str) -> list[str]:
               f"round(s) (order reversed every other round), {meta['warmup']} warm-up + {meta['steps']} timed "
               "steps a round; medians over the timed steps. *saved* = bytes autograd saves for backward over the "
               "whole step (distinct storages). The machine is shared (2 cores, other jobs): read ratios of arms "
-              "measured in the same call, not absolute seconds."), ""]
+              "measured in the same call, not absolute seconds."
+              + (" Seconds are this process's CPU time (`--clock cpu`, one torch thread), not wall time: the "
+                 "machine ran other jobs, whose share of the cores a wall clock would count." if meta.get("clock")
+                 == "cpu" else "")), ""]
     lines += note_lines(meta)
     families = all("/" in arm for arm in rows)
     ref_name = "explicit" if families else "TwoRes"
@@ -378,6 +397,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or the process's CPU time (one thread: robust to other processes' load)")
     ap.add_argument("--runs", type=Path, default=None, help="frontier: a folder of 300-step run directories")
     ap.add_argument("--note", default=None, help="a markdown file: a finding, written below the section's table")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)

@@ -84,7 +84,7 @@ class _Adjoint:
         d, base = self.depth()
         u_star, base_params = (u, params) if d == 1 else (params[2 * (d - 1) - 1], params[2 * (d - 1):])
         u_bar = u_bar.detach()
-        if hasattr(base, "linearize"):  # the map's own J and Jᵀ products (no autograd; e.g. NormalizedResidualMap)
+        if getattr(base, "linearize", None) is not None:  # the map's own J, Jᵀ products (e.g. NormalizedResidualMap)
             jvp, vjp = base.linearize(u_star.detach(), *(p.detach() for p in base_params))
             product = jvp if d % 2 == 0 else vjp
             return lambda v: u_bar + product(v)
