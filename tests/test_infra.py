@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.runs.checkpoints import CheckpointError, check_checkpoint
+from src.runtime.checkpoints import CheckpointError, check_checkpoint
 from tests.conftest import FAST, REPO_ROOT
 
 # A tiny DEQ-DKEF run: a few epochs of a few steps each, checkpoint every epoch.

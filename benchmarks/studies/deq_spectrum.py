@@ -33,9 +33,9 @@ def run_dir_spectra(run: Path) -> dict:
     if not ckpt.is_absolute() and not ckpt.exists():
         ckpt = run / "checkpoints" / ckpt.name
     from src.deq.config import PAPER_NORM_LAMBDA
-    from src.runs.checkpoints import load_checked
+    from src.runtime.checkpoints import load_checked
 
-    state = load_checked(ckpt)  # weights-only (src.runs.checkpoints)
+    state = load_checked(ckpt)  # weights-only (src.runtime.checkpoints)
     lam = float(state["hyper_parameters"]["deq"].get("norm_lambda") or PAPER_NORM_LAMBDA)  # unset: the paper's
     out = {}
     for key, value in state["state_dict"].items():

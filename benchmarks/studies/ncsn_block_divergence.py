@@ -134,7 +134,7 @@ def ssm_vr_truncation(module, x: torch.Tensor, seed: int = 2) -> dict[str, float
     from benchmarks.lib.deq_backward import set_backward
     from src.objectives.conditional import noise_conditional
     from src.objectives.registry import get_objective
-    from src.runs.rng import seeded_rng
+    from src.runtime.rng import seeded_rng
 
     block = module.net.deq_block()
     mode, k = block.config.backward, block.config.phantom_steps

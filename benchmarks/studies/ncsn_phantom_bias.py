@@ -29,7 +29,7 @@ def losses(module, x, seed: int) -> dict[str, float]:
     """σ²-weighted SSM-VR and DSM losses of ``module.net`` on ``x`` with seeded levels, noise, projections."""
     from src.objectives.conditional import noise_conditional
     from src.objectives.registry import get_objective
-    from src.runs.rng import seeded_rng
+    from src.runtime.rng import seeded_rng
 
     out = {}
     for name in ("ssm_vr", "dsm"):

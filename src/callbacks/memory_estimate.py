@@ -36,7 +36,7 @@ import torch
 from src.callbacks.profiling import SavedTensorsMeter
 from src.config.deq import deq_setting
 from src.deq.lookup import blocks_of
-from src.runs.rng import seeded_rng
+from src.runtime.rng import seeded_rng
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from src.runs.atomic import atomic_file
-from src.runs.rng import seeded_rng
+from src.runtime.atomic import atomic_file
+from src.runtime.rng import seeded_rng
 
 
 def _to_uint8(images: torch.Tensor) -> np.ndarray:

@@ -26,8 +26,8 @@ from src.lit.base import ScoreMatchingModule, batch_tensor
 from src.models.ncsn import NCSN, geometric_sigmas
 from src.objectives.conditional import noise_conditional
 from src.objectives.registry import get_objective
-from src.runs import progress
-from src.runs.rng import seeded_rng
+from src.runtime import progress
+from src.runtime.rng import seeded_rng
 from src.samplers.annealed_langevin import UPDATES, annealed_langevin
 
 TRAIN_LOSSES = ("dsm", "ssm_vr", "ssm")
@@ -159,7 +159,7 @@ class NCSNLitModule(ScoreMatchingModule):
     # ------------------------------------------------------------------ samples
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Annealed Langevin dynamics (``model.sampling``) from uniform noise on the pixel range, shown as a
-        progress task of levels × steps (:mod:`src.runs.progress`; silent without a progress bar)."""
+        progress task of levels × steps (:mod:`src.runtime.progress`; silent without a progress bar)."""
         x0 = torch.rand((n, *self.data_shape), generator=generator, device=self.device, dtype=self.dtype)
         if self.pixel_range == "symmetric":
             x0 = 2 * x0 - 1

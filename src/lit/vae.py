@@ -29,7 +29,7 @@ from src.metrics.distributed import rank_share
 from src.metrics.registry import metric_options
 from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
 from src.objectives.ssm import ssm
-from src.runs import progress
+from src.runtime import progress
 
 # model.metrics.log_likelihood: AIS on the first test_points test points, its sampler's settings under ais
 AIS_DEFAULTS = {"n_steps": 1000, "n_chains": 16, "leapfrog": 10, "step_size": 0.05, "target_accept": 0.65,

@@ -51,7 +51,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance, _compute_fid
 from src.metrics.base import EvalMetric
 from src.metrics.distributed import gathered_rows
 from src.metrics.mnist_classifier import load_mnist_feature_extractor, sha256_file
-from src.runs import progress
+from src.runtime import progress
 
 KINDS = ("mnist", "inception")
 INCEPTION_FILE = "inception-2015-12-05.pt"

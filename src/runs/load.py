@@ -1,7 +1,7 @@
 """Load a trained run: the one home of checkpoint → run config → module.
 
 A run directory (``src.train``'s) holds ``.hydra/config.yaml`` and ``checkpoints/``. :func:`run_of_checkpoint`
-checks the checkpoint file (:mod:`src.runs.checkpoints`), finds and reads the run's composed config (moved keys
+checks the checkpoint file (:mod:`src.runtime.checkpoints`), finds and reads the run's composed config (moved keys
 refused, :mod:`src.config.moved_keys`), merges command-line overrides and applies the trust policy
 (:func:`check_targets`: only deqsm classes are built from a run's config unless the user trusts it);
 :func:`load_module` builds the LightningModule and its data module and loads the weights, weights-only unless
@@ -18,14 +18,14 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from src.config.moved_keys import moved_override_message, refuse_moved_keys
-from src.runs.checkpoints import (
+from src.runtime.checkpoints import (
     TRUST_HINT,
     UnsafeCheckpointError,
     check_checkpoint_file,
     check_matches_model,
     load_checked,
 )
-from src.runs.environment import set_float_environment
+from src.runtime.environment import set_float_environment
 
 
 def find_run_config(ckpt: Path) -> Path:

@@ -28,15 +28,15 @@ from src.config.deq import deq_setting, family_of
 from src.config.family_data import check_family_data
 from src.metrics.presets import apply_eval_preset
 from src.reports.optuna_sweep import install as _install_sweep_report
-from src.runs.atomic import write_json_atomic
 from src.runs.build import build
-from src.runs.checkpoints import (
+from src.runtime.atomic import write_json_atomic
+from src.runtime.checkpoints import (
     AtomicCheckpointIO,
     check_checkpoint_file,
     check_matches_model,
     remove_stale_temporaries,
 )
-from src.runs.environment import print_metrics, set_float_environment
+from src.runtime.environment import print_metrics, set_float_environment
 
 _install_sweep_report()  # an Optuna sweep reports its failed trials and goes on (src/reports/optuna_sweep.py)
 

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from src.runs.atomic import atomic_file
+from src.runtime.atomic import atomic_file
 
 log = logging.getLogger(__name__)
 
