@@ -100,7 +100,7 @@ def test_protocol_grid_keeps_each_experiments_own_length():
 def test_every_ncsn_decision_arm_composes_the_block_its_name_says(tmp_path):
     """ncsn_mnist defaults to the normalised block: an arm that names another block must switch it off (seed 2 of
     the paper's arm and two spectral seeds once ran the normalised block under their labels)."""
-    from src.config.deq import block_config
+    from src.deq.config import deq_setting
     from tests.conftest import compose_train
 
     base, _ = study.FAMILIES["ncsn"]
@@ -113,5 +113,5 @@ def test_every_ncsn_decision_arm_composes_the_block_its_name_says(tmp_path):
     assert set(want) <= set(arms)
     for arm, expected in want.items():
         cfg = compose_train([*base.split(), *arms[arm].split()], tmp_path / arm)
-        deq = block_config(cfg.deq)
+        deq = deq_setting(cfg.deq, "ncsn")
         assert (deq.block, deq.norm, deq.norm_lambda, deq.backward, deq.one_pass) == expected, arm

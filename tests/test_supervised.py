@@ -80,11 +80,12 @@ def test_steep_and_signal_experiments(tmp_path, one_thread, exp, extra):
 
 
 def test_supervised_param_matching():
+    from src.deq.config import deq_setting
     from src.models.supervised import build_supervised_net, deq_params
 
     deq = {"enabled": True, "norm": "frobenius"}
-    d = build_supervised_net(10, 1, deq=deq, width=32)
-    f = build_supervised_net(10, 1, deq={"enabled": False}, depth=3, width=32, match="params")
+    d = build_supervised_net(10, 1, deq=deq_setting(deq), width=32)
+    f = build_supervised_net(10, 1, deq=deq_setting({"enabled": False}), depth=3, width=32, match="params")
     n_d, n_f = (sum(p.numel() for p in n.parameters()) for n in (d, f))
     assert n_d == deq_params(10, 1, 32) and abs(n_f - n_d) / n_d < 0.05
     with pytest.raises(ValueError, match="arch"):

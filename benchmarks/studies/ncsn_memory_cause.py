@@ -31,6 +31,7 @@ from torch import nn
 
 from benchmarks.lib.results import made_by, rendered, result_options
 from benchmarks.lib.step import measured
+from src.deq.config import DEQConfig
 from src.models.ncsn import (
     NCSN,
     ConditionalInstanceNorm2dPlus,
@@ -137,9 +138,9 @@ def main(argv: list[str] | None = None) -> None:
     n = 10
     sig = geometric_sigmas(1.0, 0.01, n)
     nets = [("deqsm: RefineNet (Table 8a)", NCSN(3, sig, "refinenet", args.ngf), "7536 MiB"),
-            ("deqsm: TwoRes (Table 8b, deq=false depth=1)", NCSN(3, sig, "deq", args.ngf, deq={"enabled": False},
+            ("deqsm: TwoRes (Table 8b, deq=false depth=1)", NCSN(3, sig, "deq", args.ngf, deq=None,
                                                                  depth=1), "1701 MiB"),
-            ("deqsm: DEQ (Table 8b, deq=true)", NCSN(3, sig, "deq", args.ngf, deq={"enabled": True}), "2104 MiB"),
+            ("deqsm: DEQ (Table 8b, deq=true)", NCSN(3, sig, "deq", args.ngf, deq=DEQConfig()), "2104 MiB"),
             ("authors' code: shallow (TwoRes)", AuthorsShallow(args.ngf, n), "1701 MiB"),
             ("authors' code: deq", AuthorsDEQ(args.ngf, n), "2104 MiB")]
     rows = []

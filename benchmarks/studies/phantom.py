@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.lib.deq_backward import set_backward
 from src.data.datamodules import UCIDataModule
+from src.deq.config import deq_setting
 from src.models.dkef import DKEF
 from src.objectives.base import compute_score
 from src.objectives.sm import sm
@@ -134,7 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     deq = {"enabled": True, "solver": "anderson", "tol": args.tol, "max_iter": 200, "phantom_steps": 2,
            "warm_start": False, "norm_lambda": args.norm_lambda, "backward": "phantom"}
     dtype = getattr(torch, args.dtype)
-    model = DKEF(dm.dim, deq=deq, depth=1, n_inducing=args.n_inducing).to(dtype)
+    model = DKEF(dm.dim, deq=deq_setting(deq), depth=1, n_inducing=args.n_inducing).to(dtype)
     with torch.no_grad():
         model.inducing.copy_(dm.train_data[torch.randperm(dm.train_data.shape[0])[: args.n_inducing]].to(dtype))
     opt = torch.optim.Adam(model.parameters(), lr=1e-3, weight_decay=1e-12)

@@ -36,6 +36,7 @@ VAL_CONTRACTION_POINTS = 16  # validation images for val/deq_contraction_rate (o
 
 
 class NCSNLitModule(ScoreMatchingModule):
+    family = "ncsn"
     default_loss, train_losses = "ssm_vr", TRAIN_LOSSES  # noise-conditional forms only
     ignored_loss_keys = ("sigma",)  # dsm: every sample's own noise level replaces the fixed sigma
     outputs_score = True  # s(x, i) directly: DSM has no derivative through the DEQ, SSM-VR's divergence has
@@ -64,7 +65,7 @@ class NCSNLitModule(ScoreMatchingModule):
         loss, deq, noise, sampling, optimizer, metrics = (
             plain(c) for c in (loss, deq, noise, sampling, optimizer, metrics))
         super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
-                         loss=loss)
+                         loss=loss, deq=deq if arch == "deq" else None)  # refinenet has no DEQ: ignores deq
         self.save_hyperparameters()
         self.anneal_power = float(anneal_power)
         noise = {"sigma_begin": 1.0, "sigma_end": 0.01, "num_classes": 10, **(noise or {})}
@@ -73,7 +74,7 @@ class NCSNLitModule(ScoreMatchingModule):
             raise ValueError(f"pixel_range={pixel_range!r}: unit | symmetric")
         self.pixel_range = pixel_range
         self.data_shape = tuple(int(s) for s in data_shape)
-        self.net = NCSN(self.data_shape[0], sigmas, arch=arch, ngf=ngf, deq=deq, depth=depth,
+        self.net = NCSN(self.data_shape[0], sigmas, arch=arch, ngf=ngf, deq=self.deq, depth=depth,
                         centered_input=pixel_range == "unit", conditioning=conditioning)
         unknown = set(sampling or {}) - set(SAMPLING_DEFAULTS)
         if unknown:

@@ -29,17 +29,20 @@ class SupervisedLitModule(DeqsmModule):
     as every family; its own validation/test hooks, because its metrics need every prediction at once
     (L∞ error, region counts, the study analyses)."""
 
+    family = "supervised"
+
     def __init__(self, input_dim: int, output_dim: int = 1, arch: str = "auto", deq: Mapping | None = None,
                  depth: int | None = None, width: int = 16, hidden: int | None = None, match: str | None = None,
                  activation: str = "relu", bias: bool = True, beta0: float = 1.0, alpha: float = 0.1,
                  construction: str | None = None, loss: str = "mse", optimizer: Mapping | None = None,
                  analysis: str | None = None, analysis_kwargs: Mapping | None = None):
-        super().__init__(optimizer=plain(optimizer))
+        deq = plain(deq)
+        # model.arch=deq is a DEQ whatever deq.enabled says: its keys are parsed all the same
+        super().__init__(optimizer=plain(optimizer), deq=deq, deq_enabled=True if arch == "deq" else None)
         if loss not in LOSSES:
             raise ValueError(f"model.loss={loss!r} is unknown; valid: {', '.join(LOSSES)}")
-        deq = plain(deq)
         self.save_hyperparameters()
-        self.net = build_supervised_net(int(input_dim), int(output_dim), arch=arch, deq=deq, depth=depth,
+        self.net = build_supervised_net(int(input_dim), int(output_dim), arch=arch, deq=self.deq, depth=depth,
                                         width=width, hidden=hidden, match=match, activation=activation, bias=bias,
                                         beta0=beta0, alpha=alpha)
         if construction == "theorem1":  # the hand-built DEQ of Theorem 1; an MLP (deq=false) ignores it
