@@ -131,7 +131,7 @@ def test_checkpoints_saved_with_the_old_defaults_still_load():
     unused defaults: read as unset. A stored non-default value was an ignored override and stays (loading fails)."""
     from omegaconf import OmegaConf
 
-    from src.runs.load import clear_stale_norm_of_normalized_block
+    from src.config.old_runs import clear_stale_norm_of_normalized_block
 
     old = OmegaConf.create({"deq": {"block": "normalized_residual", "norm": "frobenius", "norm_lambda": 2.0},
                             "model": {"deq": "${deq}"}})

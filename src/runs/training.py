@@ -26,7 +26,6 @@ from src.callbacks.memory_estimate import MemoryEstimate
 from src.callbacks.profiling import ProfilingCallback
 from src.config.family_data import check_family_data
 from src.metrics.presets import apply_eval_preset
-from src.reports.optuna_sweep import install as _install_sweep_report
 from src.runs.build import build
 from src.runtime.atomic import write_json_atomic
 from src.runtime.checkpoints import (
@@ -36,8 +35,6 @@ from src.runtime.checkpoints import (
     remove_stale_temporaries,
 )
 from src.runtime.environment import print_metrics, set_float_environment
-
-_install_sweep_report()  # an Optuna sweep reports its failed trials and goes on (src/reports/optuna_sweep.py)
 
 log = logging.getLogger(__name__)
 

@@ -96,9 +96,6 @@ def load_checked(path: str | Path, map_location="cpu", trust: bool = False) -> d
     return ckpt
 
 
-check_checkpoint = load_checked  # the name the tests and older scripts use
-
-
 def validate_checkpoint(ckpt, path: str | Path) -> None:
     if not isinstance(ckpt, dict) or "state_dict" not in ckpt or "pytorch-lightning_version" not in ckpt:
         raise CheckpointError(
