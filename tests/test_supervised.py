@@ -38,7 +38,7 @@ def test_linear_regions_mlp_counts_its_regions(tmp_path, one_thread):
 
 def test_region_counter_matches_a_random_mlp():
     from src.models.supervised import MLP
-    from src.studies.regions import count_regions, relu_mlp
+    from src.separation.regions import count_regions, relu_mlp
 
     torch.manual_seed(0)
     net = MLP(1, 1, hidden=8, depth=4).double()

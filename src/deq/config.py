@@ -208,7 +208,7 @@ class DepthRule:
 DEPTH_RULES: dict[str, DepthRule] = {
     "dkef": DepthRule(explicit_default=3),
     "nice": DepthRule(explicit_default=5),
-    "supervised": DepthRule(explicit_default=3),  # the DEQ-vs-feed-forward studies (src/studies)
+    "supervised": DepthRule(explicit_default=3),  # the DEQ-vs-feed-forward studies (src/separation)
     "vae": DepthRule(explicit_default=0, explicit_min=0,
                      deq_only_default="the VAE score estimator's DEQ block has one layer inside f",
                      meaning="extra stride-1 layers of the VAE score estimator (0: the SSM VAE; 8, 16: Aug(8), "

@@ -212,7 +212,7 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
             return None
         from pathlib import Path
 
-        from src.callbacks.samples import log_image, save_image_grid
+        from src.sampling.grids import log_image, save_image_grid
 
         path = save_image_grid(images, Path(self.trainer.default_root_dir) / name)
         log_image(self.trainer, "samples", path)

@@ -11,7 +11,7 @@ base module's phantom-truncation warning for SSM-VR / SSM. Test: the ``noise_con
 (σ²-weighted DSM and SSM-VR losses per level and overall), ``fid`` (samples from
 :meth:`NCSNLitModule.sample`, EMA weights when EMA is on), and for a DEQ network ``test/deq_contraction_rate``
 (‖∂f/∂z‖₂ at the fixed point, one test image per noise level) and ``test/deq_forward_iterations``. Samples:
-annealed Langevin dynamics (:mod:`src.samplers.annealed_langevin`) from uniform noise; ``samples.png`` at the end of the test.
+annealed Langevin dynamics (:mod:`src.sampling.annealed_langevin`) from uniform noise; ``samples.png`` at the end of the test.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from src.objectives.conditional import noise_conditional
 from src.objectives.registry import get_objective
 from src.runtime import progress
 from src.runtime.rng import seeded_rng
-from src.samplers.annealed_langevin import UPDATES, annealed_langevin
+from src.sampling.annealed_langevin import UPDATES, annealed_langevin
 
 TRAIN_LOSSES = ("dsm", "ssm_vr", "ssm")
 SAMPLING_DEFAULTS = {"n_steps_each": 100, "step_lr": 2e-5, "denoise": False, "update": "euler"}

@@ -74,7 +74,7 @@ def _inception_help() -> str:
 
 def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
     """Float images in [0, 1] → uint8 floor(255·x + ½) (clamped; NaN → 0): the quantisation
-    ``src.callbacks.samples.save_image_grid`` applies, so FID sees the pixels a saved PNG holds."""
+    ``src.sampling.grids.save_image_grid`` applies, so FID sees the pixels a saved PNG holds."""
     x = torch.nan_to_num(images.float(), nan=0.0).clamp(0.0, 1.0)
     return x.mul(255.0).add(0.5).floor().to(torch.uint8)
 
