@@ -1,7 +1,7 @@
 # deqsm developer commands. `make install` then `make test`.
 PY ?= python
 
-.PHONY: install test test-all train lint clean bench faults
+.PHONY: install test test-all train lint clean faults
 
 install:
 	pip install torch==2.13.0
@@ -23,9 +23,6 @@ train:
 
 lint:
 	ruff check src tests benchmarks
-
-bench:
-	$(PY) -m benchmarks.tools.objectives_bench --quick
 
 clean:
 	rm -rf outputs multirun wandb lightning_logs .pytest_cache .ruff_cache

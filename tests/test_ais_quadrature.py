@@ -78,7 +78,7 @@ def test_ais_is_a_lower_bound_of_a_nonlinear_decoder_that_tightens_with_t():
 
 @pytest.mark.slow
 def test_ais_mnist_decoder_stays_below_the_exact_value(mnist_root):
-    """The issue's case (benchmarks/studies/ais_bias.py at T = 1000): a random 2-64-64-784 Softplus decoder, first and
+    """The issue's case (benchmarks/results/ais_bias.md at T = 1000): a random 2-64-64-784 Softplus decoder, first and
     last weights ×4, on 8 binarised MNIST test images, 16 chains — the rule before the fix measured +0.140 ±
     0.030 nats above the exact value here, the pilot rule −0.073 ± 0.052."""
     from src.data.mnist import load_mnist

@@ -11,7 +11,6 @@ import pytest
 
 from benchmarks.lib import jobs, results, step
 from benchmarks.lib.generative_grids import GRIDS as GENERATIVE
-from benchmarks.tools import dkef_paper_protocol as pp
 from benchmarks.tools import run_grid, training_curves
 from tests.conftest import compose_train
 
@@ -255,57 +254,6 @@ def test_the_job_runner_reuses_a_finished_run_resumes_a_killed_one_reruns_on_req
     assert results.made_by("python benchmarks/x.py --a", "old", "new") == "old"
     assert results.made_by(None, "old", "new") == "old"
     assert results.made_by("python -m benchmarks.tools.x", "old", "new") == "new"
-
-
-# ------------------------------------------------------------------ DKEF at the paper's protocol (issue 30)
-def test_paper_protocol_tail_summary_and_validation_curve(tmp_path):
-    values = [float(v) for v in range(-49, 51)]  # 100 points, the largest 2 dropped by the trimmed mean
-    out = pp.tail_summary(values)
-    assert out == {"n": 100, "mean": 0.5, "median": 0.5, "trimmed_mean": sum(values[:-2]) / 98, "max": 50.0}
-    log = tmp_path / "csv" / "version_0" / "metrics.csv"
-    log.parent.mkdir(parents=True)
-    log.write_text("epoch,step,train/loss,val/sm_loss\n0,8,-3.0,\n0,8,,-10.5\n1,17,,-12.25\n1,20,-4.0,\n")
-    assert pp.validation_curve(tmp_path) == [(8, -10.5), (17, -12.25)]
-
-
-def test_paper_protocol_table_and_verdicts_from_known_runs():
-
-    def run(method, seed, sm, ll, refit_sm, mb, s):
-        return {"group": "redwine", "method": method, "seed": seed, "ok": True, "val_curve": [(9, sm + 1)],
-                "metrics": {"test/sm_loss": sm, "test/log_likelihood": ll, "final_refit/test/sm_loss": refit_sm,
-                            "final_refit/test/log_likelihood": ll, "profile/saved_bytes_mean": mb * 1e6,
-                            "profile/time_per_step_s": s, "global_step": 2700}}
-
-    jobs = [run("DEQ-SM", i, -30 - i, -12.9, -31 - i, 60, 0.3) for i in range(3)]
-    jobs += [run("SM 16-layer", i, -25 + i, -13.3, -25 + i, 120, 0.6) for i in range(3)]
-    md = pp.render({"meta": {"command": "c", "machine": "m", "grid_commands": ["g"]}, "jobs": jobs})
-    assert "| redwine | DEQ-SM | 3 | 2700 ± 0 | -31.00 ± 1.00 | -12.90 ± 0.00 | -32.00 ± 1.00 |" in md
-    assert "| 60.0 ± 0.0 | 0.300 ± 0.000 | -44.5 / -12.2 |" in md
-    assert '"DEQ-SM beats SM 16-layer on test SM loss" (as trained): agree (difference 7.00' in md
-    assert '"DEQ-SM needs less saved bytes per step than SM 16-layer": agree; 60 MB vs 120 MB (ratio 0.50)' in md
-    assert "SM 3-layer: undecided — SM 3-layer not run at this protocol" in md
-    assert "redwine DEQ-SM SM: -31.00 ± 1.00 vs paper -44.5 ± 4.1 — 13.5 seed sds away (far" in md
-
-
-def test_paper_protocol_add_keeps_saved_jobs_and_replaces_reruns():
-    """``--add``: grids of a later session join the saved result (whose run directories are gone); a job of the
-    same data set, method and seed replaces the saved one; every command that built the result is listed."""
-
-    def job(group, method, seed, sm):
-        return {"group": group, "method": method, "seed": seed, "ok": True, "metrics": {"test/sm_loss": sm}}
-
-    saved = {"meta": {"command": "first", "machine": "m", "grid_commands": ["g1"], "note": "n"},
-             "jobs": [job("redwine", "DEQ-SM", 0, -30.0), job("redwine", "DEQ-SM", 1, -31.0)]}
-    new = [job("redwine", "DEQ-SM", 1, -33.0), job("whitewine", "DEQ-SM", 0, -40.0)]
-    jobs, meta = pp.added_to_saved(saved, new, {"command": "second", "machine": "m2", "grid_commands": ["g2", "g1"]})
-    assert [(j["group"], j["seed"], j["metrics"]["test/sm_loss"]) for j in jobs] == [
-        ("redwine", 0, -30.0), ("redwine", 1, -33.0), ("whitewine", 0, -40.0)]
-    assert meta["grid_commands"] == ["g1", "g2"] and meta["commands"] == ["first", "second"]
-    assert meta["note"] == "n" and meta["machine"] == "m2"
-    _, again = pp.added_to_saved({"meta": meta, "jobs": jobs}, [], dict(meta, command="third", grid_commands=[]))
-    assert again["commands"] == ["first", "second", "third"]
-    md = pp.render({"meta": again, "jobs": jobs})
-    assert md.startswith("Commands, in the order they built this result") and "- `third`" in md
 
 
 @pytest.mark.parametrize("overrides", [

@@ -1,6 +1,6 @@
 """The shared DEQ contraction check (src.lit.base): every family with a DEQ block logs the learned map's
 contraction rate at validation and warns when the phantom backward truncates a loss that differentiates through
-the DEQ (the failure measured on the DEQ-NCSN, benchmarks/studies/ncsn_phantom_bias.py)."""
+the DEQ (the failure measured on the DEQ-NCSN, benchmarks/results/ncsn_phantom_bias.md)."""
 
 from __future__ import annotations
 

@@ -9,13 +9,16 @@ import os
 import re
 import shlex
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 
 from benchmarks.tools import results_index
+from tests.test_benchmarks_layout import imported as imported_modules
 
-RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 TABLES = sorted(p.stem for p in RESULTS.glob("*.md") if p.stem != "README" and (RESULTS / f"{p.stem}.json").exists())
 
 
@@ -76,7 +79,47 @@ def test_every_table_with_a_json_is_rebuilt_by_a_tool_or_its_script_is_retired()
             f"{stem}.md: no tool rebuilds it; add it to results_index.REBUILT_BY")
     assert not set(results_index.RETIRED) & set(results_index.REBUILT_BY)
     assert set(results_index.REBUILT_BY) <= set(TABLES), "REBUILT_BY names a result that is not committed"
-    assert "speed" in results_index.RETIRED and results_index.rebuild_command("speed") is None
+    assert all(results_index.rebuild_command(stem) is None for stem in results_index.RETIRED)
+
+
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], check=False, cwd=ROOT, capture_output=True, text=True)
+
+
+def _history_or_skip() -> None:
+    if shutil.which("git") is None or _git("rev-parse", "--is-inside-work-tree").stdout.strip() != "true":
+        pytest.skip("not a git checkout: the retired scripts' commits cannot be read")
+    if _git("rev-parse", "--is-shallow-repository").stdout.strip() == "true":
+        pytest.skip("a shallow clone: the retired scripts' commits may not be in it (git fetch --unshallow)")
+
+
+def test_every_retired_script_lies_at_its_commit_in_this_history_and_nowhere_now():
+    """A retired result's row says where its script last lived; that commit holds the script and is an ancestor of
+    HEAD (so ``git show <commit>:<script>`` reads it back in any full clone), the script is gone from the tree, no
+    module imports it, and the result's files stay committed and indexed."""
+    _history_or_skip()
+    imports = {m for root in ("src", "benchmarks", "tests") for p in (ROOT / root).rglob("*.py")
+               for m in imported_modules(p)}
+    index = (RESULTS / "README.md").read_text()
+    for stem, (script, commit, _render) in results_index.RETIRED.items():
+        assert _git("cat-file", "-e", f"{commit}:{script}").returncode == 0, f"{stem}: {commit} has no {script}"
+        assert _git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0, f"{stem}: {commit} not in HEAD"
+        assert not (ROOT / script).exists(), f"{stem}: {script} is retired but still in the tree"
+        module = script.removesuffix(".py").replace("/", ".")
+        assert not {m for m in imports if m == module or m.startswith(module + ".")}, f"{module} is still imported"
+        assert (RESULTS / f"{stem}.md").exists() and f"`git show {commit}:{script}`" in index
+
+
+def test_every_git_show_the_docs_and_the_index_quote_reads_a_file():
+    """``git show <commit>:<path>`` in README.md, docs/ and the results index (how a retired script is read
+    back) names a commit of this history that holds the file."""
+    _history_or_skip()
+    quoted = {m for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), RESULTS / "README.md"]
+              for m in re.findall(r"git show ([0-9a-f]{7,40}):([\w./-]+)", doc.read_text())}
+    assert len(quoted) >= len({s for s, _c, _r in results_index.RETIRED.values()})
+    for commit, path in sorted(quoted):
+        assert _git("cat-file", "-e", f"{commit}:{path}").returncode == 0, f"git show {commit}:{path} fails"
+        assert _git("merge-base", "--is-ancestor", commit, "HEAD").returncode == 0, f"{commit} is not in HEAD"
 
 
 @pytest.mark.parametrize("stem", [s for s in TABLES if s not in results_index.RETIRED])

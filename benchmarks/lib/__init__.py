@@ -6,7 +6,6 @@
 - :mod:`~benchmarks.lib.step_cases`: the training step of each family and variant;
 - :mod:`~benchmarks.lib.step_cost`: the per-family step-cost tables (``benchmarks.tools.step_cost``);
 - :mod:`~benchmarks.lib.paper`: the paper's figures;
-- :mod:`~benchmarks.lib.deq_backward`: a trained model's DEQ blocks switched between phantom and implicit backward;
 - :mod:`~benchmarks.lib.runs`: finished run directories and the grids' cells;
 - :mod:`~benchmarks.lib.generative_grids`: the generative (VAE, NCSN) training-curve grids.
 """

@@ -11,7 +11,7 @@ derivative ∇ₓ(vᵀs); level 2 the adjoint of that adjoint, run by the loss's
 with the bytes saved while each runs (the rest of the network is "outside the DEQ's solves").
 
 **Frontier** (``frontier``): 300-step runs at batch 32 of each route (the candidates protocol of
-``benchmarks.studies.deq_recurrence``: ``experiment=ncsn_mnist data.batch_size=32``, validation at step 300), read
+``benchmarks/results/deq_recurrence.md``: ``experiment=ncsn_mnist data.batch_size=32``, validation at step 300), read
 from their run directories: recurrence share, contraction, solver iterations, cap hits, validation DSM, and the
 training loss curve (a route that diverges shows it there).
 

@@ -11,7 +11,8 @@ from the table's header; the data root in it is shown as ``<data root>`` (a path
 That command is history: a result made before the benchmarks moved to ``benchmarks/{tools,studies}`` records
 ``python benchmarks/<script>.py``. :func:`rebuild_command` is how its table is rebuilt from its JSON today
 (:data:`REBUILT_BY`; ``tests/test_results_index.py`` rebuilds every table with it and compares byte for byte); a
-result whose script was retired (:data:`RETIRED`) names the last commit that had it.
+result whose script was retired (:data:`RETIRED`: a one-off study that answered its question) stays, and its row
+names the last commit that had the script (``git show <commit>:<script>``; the tests check that it holds it).
 What it shows is :data:`SHOWS` (one line a result; a new result without an entry shows its table's title).
 """
 
@@ -30,39 +31,40 @@ CURVES = re.compile(r"(vae|ncsn)_mnist_curves")
 # the tool or study whose --render rebuilds each result's table from its JSON (besides the training curves,
 # :data:`CURVES`: ``benchmarks.tools.training_curves <grid> --render --name <stem>``)
 REBUILT_BY = {
-    "ais_bias": "benchmarks.studies.ais_bias --render",
-    "ais_bias_vae": "benchmarks.studies.ais_bias --render --name ais_bias_vae",
-    "deq_recurrence": "benchmarks.studies.deq_recurrence --render",
-    "ncsn_block_divergence": "benchmarks.studies.ncsn_block_divergence --render",
-    "deq_solvers": "benchmarks.studies.deq_solvers --render",
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_table3": "benchmarks.tools.run_grid dkef --render --name dkef_table3",
     "ncsn_deq_cost": "benchmarks.studies.ncsn_deq_cost --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
-    "dkef_step_profile": "benchmarks.tools.dkef_step_profile --render",
     "faults": "benchmarks.tools.fault_table --render",
-    "dkef_paper_protocol": "benchmarks.tools.dkef_paper_protocol --render",
     "gpu_suite": "benchmarks.tools.gpu_suite --render",
     "ncsn_langevin_step": "benchmarks.studies.ncsn_langevin_step --render",
     "ncsn_memory": "benchmarks.tools.step_cost ncsn --render",
-    "ncsn_memory_cause": "benchmarks.studies.ncsn_memory_cause --render",
-    "ncsn_phantom_bias": "benchmarks.studies.ncsn_phantom_bias --render",
     "ncsn_sampler_update": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_sampler_update",
     "ncsn_sampler_drift": "benchmarks.studies.ncsn_sampler_drift --render",
     "ncsn_white_out": "benchmarks.studies.ncsn_sampler_drift --render --name ncsn_white_out",
     "nice": "benchmarks.tools.run_grid nice --render",
-    "objectives": "benchmarks.tools.objectives_bench --render",
     "profile_step": "benchmarks.tools.profile_step --render",
     "separation": "benchmarks.studies.separation_report --render",
-    "vae_estimator_depth": "benchmarks.studies.vae_estimator_depth --render",
-    "vae_estimator_variance": "benchmarks.studies.vae_estimator_variance --render",
     "vae_memory": "benchmarks.tools.step_cost vae --render",
 }
-# results whose script was retired: (the script, the last commit that had it, why)
+# Results whose script was retired once it had answered its question (the result and its finding stay: the
+# finding in docs/, the files here): the script, the last commit that had it, and the arguments of its
+# ``--render``, which at that commit rebuilt the table from its JSON byte for byte (None: the script had none).
+RETIRED_AT = "0d4b889"  # issue 49: the one-off studies and tools retired together
 RETIRED = {
-    "speed": ("benchmarks/speed.py", "108c9b8", ("the before/after step times of issue 26's change, its "
-                                                 "\"before\" pinned to b3facaa; `benchmarks.tools.profile_step "
-                                                 "--at REV` times the same steps at any commit")),
+    "speed": ("benchmarks/speed.py", "108c9b8", None),
+    "ais_bias": ("benchmarks/studies/ais_bias.py", RETIRED_AT, "--render"),
+    "ais_bias_vae": ("benchmarks/studies/ais_bias.py", RETIRED_AT, "--render --name ais_bias_vae"),
+    "deq_recurrence": ("benchmarks/studies/deq_recurrence.py", RETIRED_AT, "--render"),
+    "deq_solvers": ("benchmarks/studies/deq_solvers.py", RETIRED_AT, "--render"),
+    "dkef_paper_protocol": ("benchmarks/tools/dkef_paper_protocol.py", RETIRED_AT, "--render"),
+    "dkef_step_profile": ("benchmarks/tools/dkef_step_profile.py", RETIRED_AT, "--render"),
+    "ncsn_block_divergence": ("benchmarks/studies/ncsn_block_divergence.py", RETIRED_AT, "--render"),
+    "ncsn_memory_cause": ("benchmarks/studies/ncsn_memory_cause.py", RETIRED_AT, "--render"),
+    "ncsn_phantom_bias": ("benchmarks/studies/ncsn_phantom_bias.py", RETIRED_AT, "--render"),
+    "objectives": ("benchmarks/tools/objectives_bench.py", RETIRED_AT, "--render"),
+    "vae_estimator_depth": ("benchmarks/studies/vae_estimator_depth.py", RETIRED_AT, "--render"),
+    "vae_estimator_variance": ("benchmarks/studies/vae_estimator_variance.py", RETIRED_AT, "--render"),
 }
 
 # what each result shows, one line (the paper's table or the question it answers)
@@ -155,6 +157,8 @@ SHOWS = {
                           "injection, 3 seeds.",
     "objectives": "Time of one training step of each score-matching objective and exact-trace route at D = 11 to "
                   "784, and the routes' agreement in float64.",
+    "speed": "Issue 26: seconds per training step before (b3facaa) and after its change, per family; "
+             "`python -m benchmarks.tools.profile_step --at REV` times the same steps at any commit.",
     "separation": "The studies of *Separation and Bias of Deep Equilibrium Models* (NeurIPS 2024): each claim "
                   "beside what was measured (linear regions, steep functions, implicit bias, GOTU, high "
                   "frequencies).",
@@ -237,6 +241,16 @@ def rebuild_command(stem: str) -> str | None:
     return f"python -m {REBUILT_BY[stem]}" if stem in REBUILT_BY else None
 
 
+def retired_text(stem: str) -> str:
+    """Where a retired result's script last lived, and how its table was rebuilt there."""
+    script, commit, render = RETIRED[stem]
+    text = f"retired: the script last lived at commit {commit}, `git show {commit}:{script}`"
+    if render:
+        module = script.removesuffix(".py").replace("/", ".")
+        text += f"; there `python -m {module} {render}` rebuilt this table byte for byte"
+    return text
+
+
 def title_of(md: Path) -> str:
     for line in md.read_text().splitlines():
         if line.startswith("# "):
@@ -286,7 +300,8 @@ def index(results: Path = RESULTS) -> str:
               "(`.md`), its data (`.json`), its figures, the command that made it as recorded (the data root "
               "shown as `<data root>`; results made before the benchmarks moved to `benchmarks/tools` and "
               "`benchmarks/studies` name the script's old path), the command that rebuilds its table from the "
-              "JSON today (byte for byte: the tests check it), and what it shows."), "",
+              "JSON today (byte for byte: the tests check it) or, for a result whose script was retired, the "
+              "commit that last had it, and what it shows."), "",
              "| result | files | command | what it shows |", "|---|---|---|---|"]
     for stem, entry in results_of(results).items():
         md = results / f"{stem}.md"
@@ -301,8 +316,7 @@ def index(results: Path = RESULTS) -> str:
         if rebuild_command(stem) and md.exists() and (results / f"{stem}.json").exists():
             cmd += f"<br>table rebuilt by `{rebuild_command(stem)}`"
         if stem in RETIRED:
-            script, commit, why = RETIRED[stem]
-            cmd += f"<br>(`{script}` retired after {commit}: {why})"
+            cmd += f"<br>{retired_text(stem)}"
         shows = SHOWS.get(stem) or (title_of(md) if md.exists() else "") or "—"
         lines.append(f"| {stem} | {'<br>'.join(files)} | {cmd} | {shows} |")
     return "\n".join(lines) + "\n"

@@ -76,12 +76,18 @@ class _Adjoint:
         no graph at all), instead of a (d−1)-times nested backward through the graphs of the levels below (at
         ncsn_mnist the level-2 solve of SSM-VR's parameter gradient took the largest share of the step:
         benchmarks/results/ncsn_deq_cost.md). Here ``u`` is v_{d−1} and ``params`` = (ū_{d−1}, v_{d−2}, …, ū₁,
-        u*, *p). A base map that forward mode cannot run (a custom autograd Function without a JVP rule) may
-        offer ``forward_mode_map`` (the same map in plain ops); failing that, the JVP falls back to the double VJP.
+        u*, *p). A base map may offer ``linearize(u*, *p) -> (J·, Jᵀ·)``, its own products written out (cheaper than
+        autograd's generic ones: :meth:`src.deq.maps.NormalizedResidualMap.linearize`); one that forward mode
+        cannot run (a custom autograd Function without a JVP rule) may offer ``forward_mode_map`` (the same map in
+        plain ops); failing both, the JVP falls back to the double VJP.
         """
         d, base = self.depth()
         u_star, base_params = (u, params) if d == 1 else (params[2 * (d - 1) - 1], params[2 * (d - 1):])
         u_bar = u_bar.detach()
+        if hasattr(base, "linearize"):  # the map's own J and Jᵀ products (no autograd; e.g. NormalizedResidualMap)
+            jvp, vjp = base.linearize(u_star.detach(), *(p.detach() for p in base_params))
+            product = jvp if d % 2 == 0 else vjp
+            return lambda v: u_bar + product(v)
         if d % 2 == 0:
             step = _jvp_step(getattr(base, "forward_mode_map", base), u_bar, u_star, base_params)
             if step is not None:
