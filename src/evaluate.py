@@ -5,7 +5,7 @@
 The run's composed config is read from ``<run dir>/.hydra/config.yaml`` (the checkpoint's run directory);
 any further ``key=value`` arguments override it (e.g. ``data.root=...``). The metrics are printed and
 written to ``<run dir>/eval_metrics.json`` (the run's own metrics.json is never touched). The checkpoint loads
-weights-only (:mod:`src.runs.checkpoints`); ``trust_checkpoint=true`` loads one holding other pickled objects (only
+weights-only (:mod:`src.runtime.checkpoints`); ``trust_checkpoint=true`` loads one holding other pickled objects (only
 a file you trust). A checkpoint of another family or other sizes is refused in one line naming both.
 """
 

@@ -9,7 +9,7 @@ an NCSN). The checkpoint's ``state_dict`` is loaded — with ``ema=true`` runs i
 so samples come from the EMA model — and ``module.sample_pixels(n, seed)`` is written as a PNG grid
 (``out``, default ``<run dir>/samples_<checkpoint name>.png``) and as a tensor ``[n, C, H, W]`` in [0, 1]
 next to it (``.pt``). Families that do not generate are refused with a clear error. The checkpoint loads
-weights-only (:mod:`src.runs.checkpoints`; ``trust_checkpoint=true`` for a trusted file holding other objects), and a
+weights-only (:mod:`src.runtime.checkpoints`; ``trust_checkpoint=true`` for a trusted file holding other objects), and a
 checkpoint of another family or other sizes is refused in one line naming both.
 """
 

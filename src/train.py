@@ -10,8 +10,8 @@ from __future__ import annotations
 import hydra
 from omegaconf import DictConfig
 
-from src.runs.run_dir import claim_run_dir, release
 from src.runs.training import optimized_value, output_dir, sweeper_needs_value, train
+from src.runtime.run_dir import claim_run_dir, release
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")

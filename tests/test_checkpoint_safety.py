@@ -13,7 +13,8 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from src.runs.checkpoints import (
+from src.runs.training import train
+from src.runtime.checkpoints import (
     CheckpointError,
     NonFiniteCheckpointError,
     UnsafeCheckpointError,
@@ -22,7 +23,6 @@ from src.runs.checkpoints import (
     nonfinite_entries,
     safe_contents,
 )
-from src.runs.training import train
 from tests.conftest import FAST, compose_train
 from tests.test_data_mnist import fake_mnist
 

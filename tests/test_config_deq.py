@@ -1,10 +1,10 @@
-"""The ``deq`` setting parsed once (src.config.deq): one typed value, every family's depth rule in one table."""
+"""The ``deq`` setting parsed once (src.deq.config): one typed value, every family's depth rule in one table."""
 
 import pytest
 from omegaconf import OmegaConf
 
-from src.config.deq import DEPTH_RULES, block_config, deq_setting, family_of, resolve_depth
-from src.deq.config import DEQConfig
+from src.config.family_data import family_of
+from src.deq.config import DEPTH_RULES, DEQConfig, check_block, deq_setting, resolve_depth
 
 
 def test_deq_setting_is_a_deq_config_or_none():
@@ -17,7 +17,7 @@ def test_deq_setting_is_a_deq_config_or_none():
     assert deq_setting({"enabled": False, "solver": "newton"}) is None  # explicit layers ignore the solver keys
     with pytest.raises(ValueError, match="deq config group"):
         deq_setting(True)
-    assert block_config({"enabled": False, "tol": 1e-3}).tol == 1e-3
+    assert deq_setting({"enabled": False, "tol": 1e-3}, enabled=True).tol == 1e-3  # a DEQ by the family's choice
 
 
 @pytest.mark.parametrize(("family", "explicit", "deq"), [("dkef", 3, 1), ("nice", 5, 1), ("vae", 0, 1), ("ncsn", 1, 1)])
@@ -44,7 +44,7 @@ def test_family_of_a_run_config():
 
 
 def test_the_deq_enable_flag_is_read_in_one_place():
-    """Acceptance of issue #39: ``enabled`` of the deq group is read only by deq_setting (src/config/deq.py)."""
+    """Acceptance of issue #39: ``enabled`` of the deq group is read only by deq_setting (src/deq/config.py)."""
     import re
     from pathlib import Path
 
@@ -54,15 +54,23 @@ def test_the_deq_enable_flag_is_read_in_one_place():
         for i, line in enumerate(path.read_text().splitlines(), 1):
             if re.search(r"""(get\(|\[)["']enabled["']""", line):
                 readers.append(f"{path.relative_to(src)}:{i}")
-    assert [r.split(":")[0] for r in readers] == ["config/deq.py"], readers
+    assert [r.split(":")[0] for r in readers] == ["deq/config.py"], readers
+
+
+def test_the_deq_setting_is_parsed_where_the_module_is_built_and_nowhere_below():
+    """Issue 49: the setting is parsed in src/deq/config.py (its home) and called once, where a LightningModule is
+    built (src/lit/base.py); every network takes the typed value."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    callers = sorted(str(p.relative_to(src)) for p in src.rglob("*.py") if "deq_setting(" in p.read_text())
+    assert callers == ["deq/config.py", "lit/base.py"], callers
 
 
 def test_a_family_refuses_another_familys_block_and_one_pass_needs_a_deq():
-    """Issue 49: deq_setting / block_config with the family refuse what it cannot build, in one line."""
-    from src.config.deq import check_block
-
+    """Issue 49: deq_setting with the family refuses what it cannot build, in one line."""
     ncsn = deq_setting({"enabled": True, "block": "normalized_residual"}, "ncsn")
-    assert ncsn.block == "normalized_residual" and block_config(ncsn, "ncsn") is ncsn
+    assert ncsn.block == "normalized_residual" and deq_setting(ncsn, "ncsn") is ncsn
     check_block("ncsn", "normalized_residual")  # no error
     # the family is checked before the other keys: with the family's own norm set (model=dkef's spectral default)
     # the message is about the block, not about norm not applying to it
@@ -74,13 +82,16 @@ def test_a_family_refuses_another_familys_block_and_one_pass_needs_a_deq():
         assert str(info.value) == (f"deq.block=normalized_residual is a block of model=ncsn only: model={family} "
                                    "has its own DEQ block, so drop deq.block (or set deq.block=null)")
         with pytest.raises(ValueError, match=f"model={family} has its own DEQ block"):
-            block_config(DEQConfig(block="normalized_residual"), family)
+            deq_setting(DEQConfig(block="normalized_residual"), family)
     assert deq_setting({"enabled": True, "block": None}, "dkef").block is None
     assert deq_setting({"enabled": True, "block": "normalized_residual"}).block == "normalized_residual"  # no family
     with pytest.raises(ValueError, match=r"^deq.one_pass=true needs deq=true: .*drop deq.one_pass or use deq=true$"):
         deq_setting({"enabled": False, "one_pass": True})
     assert deq_setting({"enabled": False, "one_pass": False}) is None
     assert deq_setting({"enabled": True, "one_pass": True}, "dkef").one_pass is True
+    with pytest.raises(ValueError, match=r"^loss=cp cannot run with deq.backward=implicit"):
+        deq_setting({"enabled": True, "backward": "implicit"}, "dkef", loss="cp")
+    assert deq_setting({"enabled": False, "backward": "implicit"}, "dkef", loss="cp") is None
 
 
 def test_the_solver_config_and_yaml_share_one_set_of_defaults():

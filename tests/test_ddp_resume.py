@@ -24,8 +24,8 @@ import pytest
 import torch
 
 from src.lit.resume import restore_rank_state
-from src.runs.checkpoints import load_checked
-from src.runs.rng import capture_rng_states
+from src.runtime.checkpoints import load_checked
+from src.runtime.rng import capture_rng_states
 from tests.conftest import FAST, REPO_ROOT, SHARED_DATA, require_mnist
 from tests.test_resume_kill import COMMON, assert_equal_tree
 

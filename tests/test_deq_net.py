@@ -14,8 +14,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from src.config.deq import resolve_depth, resolve_injection
-from src.deq.config import DEQConfig
+from src.deq.config import DEQConfig, deq_setting, resolve_depth, resolve_injection
 from src.models.deq_net import DEQNet, DEQNetFactory
 from src.models.features import MLPFeatures, build_feature_net, mlp
 from src.models.nice import deq_coupling_factory
@@ -38,7 +37,7 @@ def _injection_linear(net: DEQNet) -> nn.Linear:
 @pytest.mark.parametrize("injection", ["linear", "softplus"])
 def test_nice_coupling_with_zero_map_is_the_explicit_two_layer_mlp(injection):
     torch.manual_seed(0)
-    coupling = deq_coupling_factory(7, {**TIGHT, "injection": injection})(5, 4).double()
+    coupling = deq_coupling_factory(7, deq_setting({**TIGHT, "injection": injection}))(5, 4).double()
     _zero_map(coupling)
     explicit = mlp(5, 4, hidden=7, n_layers=2).double()  # Linear(5, 7) → Softplus → Linear(7, 4)
     explicit[0].load_state_dict(_injection_linear(coupling).state_dict())
@@ -55,7 +54,7 @@ def test_nice_coupling_with_zero_map_is_the_explicit_two_layer_mlp(injection):
 @pytest.mark.parametrize("injection", ["linear", "softplus"])
 def test_dkef_features_with_zero_map_are_the_explicit_two_layer_net(injection):
     torch.manual_seed(1)
-    net = build_feature_net(3, 4, deq={**TIGHT, "injection": injection}, depth=None, deq_width=6).double()
+    net = build_feature_net(3, 4, deq=deq_setting({**TIGHT, "injection": injection}), depth=None, deq_width=6).double()
     _zero_map(net)
     explicit = MLPFeatures(3, 4, hidden=6, depth=2).double()  # Linear → Softplus → Linear, + linear skip
     explicit.net[0].load_state_dict(_injection_linear(net).state_dict())
@@ -70,7 +69,7 @@ def test_dkef_features_with_zero_map_are_the_explicit_two_layer_net(injection):
 
 def test_conv_variant_with_zero_map_is_conv_softplus_readout():
     torch.manual_seed(2)
-    net = DEQNet(2, 3, 4, deq={**TIGHT, "injection": "linear"}, kind="conv", kernel_size=3).double()
+    net = DEQNet(2, 3, 4, deq=deq_setting({**TIGHT, "injection": "linear"}), kind="conv", kernel_size=3).double()
     with torch.no_grad():
         net.block.kernel.zero_()
     x = torch.randn(2, 2, 5, 5, dtype=torch.float64)
@@ -111,8 +110,8 @@ def test_resolve_depth_and_injection():
 
 
 def test_factory_pickles_and_names_blocks():
-    f = DEQNetFactory(5, {"enabled": True, "injection": "softplus"}, family="nice", name="c")
+    f = DEQNetFactory(5, DEQConfig(injection="softplus"), family="nice", name="c")
     nets = [f(3, 2), f(2, 3)]
     assert [n.block.name for n in nets] == ["c.0", "c.1"] and f.injection == "softplus"
     g = pickle.loads(pickle.dumps(f))
-    assert g.injection == "softplus" and g.deq_config == {"enabled": True, "injection": "softplus"}
+    assert g.injection == "softplus" and g.deq_config == DEQConfig(injection="softplus")

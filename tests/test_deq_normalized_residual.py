@@ -126,7 +126,7 @@ def test_ncsn_builds_the_normalized_block_and_scores():
 
     torch.manual_seed(0)
     net = NCSN(1, geometric_sigmas(1.0, 0.01, 3), arch="deq", ngf=4,
-               deq={"enabled": True, "block": "normalized_residual"})
+               deq=DEQConfig(block="normalized_residual"))
     assert isinstance(net.deq_block(), NormalizedResidualDEQBlock)
     x, labels = torch.rand(2, 1, 8, 8), torch.tensor([0, 2])
     s = net(x, labels)
@@ -149,16 +149,16 @@ def test_the_normalized_block_refuses_a_weight_norm_it_would_ignore(given):
 
 
 def test_ncsn_mnist_overrides_reach_the_block_they_name(tmp_path):
-    from src.config.deq import block_config
+    from src.deq.config import deq_setting
     from tests.conftest import compose_train
 
     record = compose_train(["experiment=ncsn_mnist", "deq=true"], tmp_path / "a").deq
-    assert block_config(record).block == "normalized_residual"
-    spectral = block_config(compose_train(["experiment=ncsn_mnist", "deq=true", "deq.block=null", "deq.norm=spectral",
-                                           "deq.norm_lambda=1.5"], tmp_path / "b").deq)
+    assert deq_setting(record, "ncsn").block == "normalized_residual"
+    spectral = deq_setting(compose_train(["experiment=ncsn_mnist", "deq=true", "deq.block=null", "deq.norm=spectral",
+                                           "deq.norm_lambda=1.5"], tmp_path / "b").deq, "ncsn")
     assert (spectral.block, spectral.norm, spectral.norm_lambda) == (None, "spectral", 1.5)
     with pytest.raises(ValueError, match="deq.norm=spectral does not apply"):
-        block_config(compose_train(["experiment=ncsn_mnist", "deq=true", "deq.norm=spectral"], tmp_path / "c").deq)
+        deq_setting(compose_train(["experiment=ncsn_mnist", "deq=true", "deq.norm=spectral"], tmp_path / "c").deq, "ncsn")
 
 
 def test_checkpoints_saved_with_the_old_defaults_still_load():
@@ -166,7 +166,7 @@ def test_checkpoints_saved_with_the_old_defaults_still_load():
     unused defaults: read as unset. A stored non-default value was an ignored override and stays (loading fails)."""
     from omegaconf import OmegaConf
 
-    from src.runs.load import clear_stale_norm_of_normalized_block
+    from src.config.old_runs import clear_stale_norm_of_normalized_block
 
     old = OmegaConf.create({"deq": {"block": "normalized_residual", "norm": "frobenius", "norm_lambda": 2.0},
                             "model": {"deq": "${deq}"}})

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from src.deq.config import deq_setting
 from src.models.dkef import DKEF
 
 DEQ = {"enabled": True, "solver": "picard", "tol": 1e-12, "max_iter": 500, "phantom_steps": 30,
@@ -32,7 +33,7 @@ def model(request):
     torch.manual_seed(0)
     deq = DEQ if request.param == "deq" else None
     depth = 1 if request.param == "linear" else 2
-    return DKEF(4, deq=deq, depth=depth, n_inducing=7, feature_dim=5, hidden=6, deq_width=6).double()
+    return DKEF(4, deq=deq_setting(deq), depth=depth, n_inducing=7, feature_dim=5, hidden=6, deq_width=6).double()
 
 
 def test_exact_fit_is_the_quadratic_of_the_sm_loss(model):

@@ -9,6 +9,7 @@ import copy
 import pytest
 import torch
 
+from src.deq.config import deq_setting
 from src.models.dkef import DKEF
 from src.models.feature_jets import feature_jet, supports_jet
 from src.objectives.sm import resolve_trace_route, sm
@@ -18,9 +19,9 @@ DEQ = {"enabled": True, "solver": "picard", "tol": 1e-13, "max_iter": 800, "phan
 CASES = {
     "mlp3": {"depth": 3},
     "mlp16": {"depth": 16},
-    "deq_phantom": {"deq": DEQ},
-    "deq_phantom_2layers": {"deq": DEQ, "depth": 2},
-    "deq_implicit": {"deq": {**DEQ, "backward": "implicit"}},
+    "deq_phantom": {"deq": deq_setting(DEQ)},
+    "deq_phantom_2layers": {"deq": deq_setting(DEQ), "depth": 2},
+    "deq_implicit": {"deq": deq_setting({**DEQ, "backward": "implicit"})},
 }
 
 

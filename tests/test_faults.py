@@ -102,7 +102,7 @@ def test_ddp_sigkill_mid_epoch_then_resume(tmp_path):
 
 KILL_MID_SAVE = """
 import os, signal, sys, torch
-from src.runs.checkpoints import AtomicCheckpointIO
+from src.runtime.checkpoints import AtomicCheckpointIO
 io, path = AtomicCheckpointIO(), sys.argv[1]
 io.save_checkpoint({"state_dict": {"w": torch.ones(1000)}, "global_step": 1, "pytorch-lightning_version": "2.6"},
                    path)
@@ -116,7 +116,7 @@ io.save_checkpoint({"state_dict": {"w": torch.zeros(1000)}, "global_step": 2, "p
 
 
 def test_kill_during_a_checkpoint_write(tmp_path):
-    from src.runs.checkpoints import check_checkpoint_file, load_checked, remove_stale_temporaries
+    from src.runtime.checkpoints import check_checkpoint_file, load_checked, remove_stale_temporaries
 
     with case("SIGKILL during a checkpoint write",
               "a process killed while writing last.ckpt leaves the previous last.ckpt whole and loadable (step 1), "
@@ -168,8 +168,8 @@ def test_corrupt_data_files(tmp_path):
 # ------------------------------------------------------------------------------------------------- full disk
 def test_full_disk_during_a_checkpoint_write(tmp_path, monkeypatch):
     from src.runs import checkpoints
-    from src.runs.checkpoints import load_checked
     from src.runs.training import train
+    from src.runtime.checkpoints import load_checked
 
     with case("full disk (simulated ENOSPC)",
               "the atomic writer fails with ENOSPC at the 3rd checkpoint: the run stops with that OSError, "

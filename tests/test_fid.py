@@ -369,7 +369,7 @@ def test_torchscript_inception_route(tmp_path, one_thread):
 
 
 def test_importing_the_metrics_does_not_import_torchvision():
-    code = ("import sys, src.metrics.fid, src.callbacks.samples; "
+    code = ("import sys, src.metrics.fid, src.callbacks.samples, src.sampling.grids; "
             "sys.exit(int('torchvision' in sys.modules or 'torch_fidelity' in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, timeout=300, check=False)
     assert proc.returncode == 0

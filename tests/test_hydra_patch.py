@@ -21,12 +21,21 @@ def test_hydra_still_parses_true_as_a_boolean():
     assert override.value() is True, "Hydra now reads deq=true as a string: src/config/hydra_patch.py can go"
 
 
-def test_the_patched_hydra_internals_are_wrapped():
+def test_the_patched_hydra_internal_is_wrapped():
     from hydra._internal import defaults_list
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
 
     assert hasattr(defaults_list.Overrides.__init__, "__wrapped__")
-    assert hasattr(ConfigLoaderImpl._apply_overrides_to_config, "__wrapped__")
+
+
+def test_one_private_hydra_class_is_patched_in_src():
+    """Issue 49: no second framework over Hydra. Only this module reaches into Hydra's private modules (the Optuna
+    sweeper's report is a public Hydra callback, src.reports.optuna_sweep)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1] / "src"
+    private = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                     if re.search(r"hydra\._internal|hydra_plugins\.\w+\._impl", p.read_text()))
+    assert private == ["config/hydra_patch.py"], private
 
 
 @pytest.mark.parametrize(("choice", "enabled"), [("true", True), ("false", False)])

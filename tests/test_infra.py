@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from src.runs.checkpoints import CheckpointError, check_checkpoint
+from src.runtime.checkpoints import CheckpointError, load_checked
 from tests.conftest import FAST, REPO_ROOT
 
 # A tiny DEQ-DKEF run: a few epochs of a few steps each, checkpoint every epoch.
@@ -96,11 +96,11 @@ def test_corrupt_and_foreign_checkpoints_are_named(tmp_path):
     data = truncated.read_bytes()
     truncated.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"truncated\.ckpt is truncated"):
-        check_checkpoint(truncated)
+        load_checked(truncated)
     foreign = tmp_path / "foreign.ckpt"
     torch.save({"weights": torch.zeros(3)}, foreign)
     with pytest.raises(CheckpointError, match=r"foreign\.ckpt is not a deqsm/Lightning"):
-        check_checkpoint(foreign)
+        load_checked(foreign)
     res = run_train([*FAST, f"ckpt_path={truncated}", "trainer.max_epochs=1"], tmp_path / "run")
     assert res.returncode != 0 and "truncated.ckpt is truncated" in res.stderr
 

@@ -15,8 +15,8 @@ import warnings
 import pytest
 import torch
 
-from src.config.deq import block_config
 from src.deq.block import phantom_truncation
+from src.deq.config import deq_setting
 from src.runs.build import build
 from src.runs.training import train
 from tests.conftest import REPO_ROOT, compose_train
@@ -45,7 +45,7 @@ def test_fast_dev_run_every_arch_loss_and_deq(tmp_path, mnist_root, arch, loss):
     assert (tmp_path / "samples.png").stat().st_size > 100
     if arch == "deq-true":
         assert saved["profile/deq_iterations_mean"] >= 1
-        lam = block_config(cfg.deq).norm_lambda  # unset in the config: the paper's 2
+        lam = deq_setting(cfg.deq).norm_lambda  # unset in the config: the paper's 2
         assert 0 < saved["test/deq_contraction_rate"] < 2 / lam**2  # the map's bound
         assert saved["test/deq_forward_iterations"] >= 1
         assert 0 < saved["val/deq_contraction_rate"] < 2 / lam**2

@@ -1,5 +1,5 @@
 """Progress in any log (issue 40): with stdout not a terminal a run logs plain lines — step, loss, s/step,
-ETA — at a cadence, and the evaluation phases (src.runs.progress) log theirs; silent on request."""
+ETA — at a cadence, and the evaluation phases (src.runtime.progress) log theirs; silent on request."""
 
 from __future__ import annotations
 
@@ -105,6 +105,6 @@ def test_a_run_logged_to_a_file_shows_its_progress(tmp_path):
         assert re.search(rf"epoch \d+ step {step}/6 \(\d+ %\): loss [-0-9.e]+, [0-9.e-]+ s/step, ETA ", text), step
     assert re.search(r"validation at epoch \d+ step 3: .*val/sm_loss [-0-9.e]+", text)
     assert "training done: 6 steps in " in text
-    # the test phase's exact-SM points (src.runs.progress): start and end lines in the log
+    # the test phase's exact-SM points (src.runtime.progress): start and end lines in the log
     assert re.search(r"exact SM loss \(test points, D=\d+\): started \(\d+ in all\)", text)
     assert re.search(r"exact SM loss \(test points, D=\d+\): done \(\d+\) in ", text)

@@ -54,7 +54,7 @@ def test_warns_with_the_keys_to_lower_when_a_step_will_not_fit(dkef, monkeypatch
     cfg, module = dkef
     trainer = types.SimpleNamespace(global_step=0, is_global_zero=True, world_size=1)
     monkeypatch.setattr(me, "free_bytes", lambda device: 1024)  # a machine with 1 kB free
-    cb = me.MemoryEstimate(16, cfg.model, cfg.deq)
+    cb = me.MemoryEstimate(16, cfg.model)  # the DEQ setting: the module's own
     with caplog.at_level(logging.INFO, logger="src.callbacks.memory_estimate"):
         cb.on_fit_start(trainer, module)
     assert cb.result is not None and cb.result["step_bytes"] > 1024

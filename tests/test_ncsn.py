@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from src.deq.block import ConditionalResidualDEQBlock
-from src.deq.config import DEQConfig
+from src.deq.config import DEQConfig, deq_setting
 from src.models.ncsn import NCSN, ConditionalInstanceNorm2dPlus, count_parameters, geometric_sigmas
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -55,7 +55,7 @@ def test_cin_plus_matches_its_formula():
                                             ("deq", False, 3)], ids=["refinenet", "deq", "twores", "res3"])
 def test_shapes_and_output_scaling(shape, arch, deq, depth):
     torch.manual_seed(1)
-    net = NCSN(shape[0], SIGMAS, arch=arch, ngf=4, deq={"enabled": deq, "warm_start": False}, depth=depth)
+    net = NCSN(shape[0], SIGMAS, arch=arch, ngf=4, deq=deq_setting({"enabled": deq, "warm_start": False}), depth=depth)
     x = torch.rand(2, *shape)
     labels = torch.tensor([0, 3])
     s = net.score(x, labels)
@@ -70,7 +70,7 @@ def test_shapes_and_output_scaling(shape, arch, deq, depth):
 
 def test_depth_with_a_deq_block_is_refused():
     with pytest.raises(ValueError, match="depth=2 with deq=true"):
-        NCSN(1, SIGMAS, arch="deq", ngf=4, deq={"enabled": True}, depth=2)
+        NCSN(1, SIGMAS, arch="deq", ngf=4, deq=DEQConfig(), depth=2)
 
 
 @pytest.mark.parametrize("arch,deq,depth", [("refinenet", False, None), ("deq", True, None), ("deq", False, 1)],
@@ -83,7 +83,7 @@ def test_sigma_conditioning_score_scales_as_one_over_sigma(arch, deq, depth):
     x = torch.rand(1, 1, 8, 8).repeat(6, 1, 1, 1)
     labels = torch.arange(6)
     for conditioning in ("sigma", "cond_norm"):
-        net = NCSN(1, sig, arch=arch, ngf=4, deq={"enabled": deq, "warm_start": False}, depth=depth,
+        net = NCSN(1, sig, arch=arch, ngf=4, deq=deq_setting({"enabled": deq, "warm_start": False}), depth=depth,
                    conditioning=conditioning).double()
         with torch.no_grad():  # per-level rows that differ (cond_norm), as after training
             for m in net.modules():
@@ -103,11 +103,11 @@ def test_sigma_conditioning_parameters_do_not_grow_with_levels():
     """cond_norm holds 3C numbers per norm (2C per DEQ map) per level; sigma none: same count at 10 and 232."""
     def count(conditioning, levels, arch="deq", deq=True):
         return count_parameters(NCSN(3, geometric_sigmas(50.0, 0.01, levels), arch=arch, ngf=8,
-                                     deq={"enabled": deq}, conditioning=conditioning))
+                                     deq=deq_setting({"enabled": deq}), conditioning=conditioning))
 
     for arch, deq in (("refinenet", False), ("deq", True), ("deq", False)):
         assert count("sigma", 10, arch, deq) == count("sigma", 232, arch, deq)
-        net = NCSN(3, geometric_sigmas(), arch=arch, ngf=8, deq={"enabled": deq})
+        net = NCSN(3, geometric_sigmas(), arch=arch, ngf=8, deq=deq_setting({"enabled": deq}))
         norm_rows = sum(m.embed.weight.shape[1] for m in net.modules() if hasattr(m, "embed"))
         deq_rows = 2 * 8 if deq else 0  # the DEQ map's shift and scale rows
         assert count("cond_norm", 232, arch, deq) - count("cond_norm", 10, arch, deq) == 222 * (norm_rows + deq_rows)
@@ -122,7 +122,7 @@ def test_unknown_conditioning_is_refused():
 
 def test_parameter_counts_at_the_paper_cifar10_size():
     """Table 5: NCSN 28M, DEQ-NCSN 9M parameters at ngf = 128 on CIFAR-10 (≤ 0.35×)."""
-    counts = {arch: count_parameters(NCSN(3, geometric_sigmas(), arch=arch, ngf=128, deq={"enabled": deq}))
+    counts = {arch: count_parameters(NCSN(3, geometric_sigmas(), arch=arch, ngf=128, deq=deq_setting({"enabled": deq})))
               for arch, deq in (("refinenet", False), ("deq", True))}
     assert counts["refinenet"] == 28_937_475
     assert counts["deq"] == 8_762_243
@@ -133,7 +133,7 @@ def test_parameter_counts_at_the_paper_cifar10_size():
 def tiny_ncsn(backward="implicit", phantom_steps=2, norm="frobenius"):
     torch.manual_seed(3)
     cfg = {**TIGHT, "backward": backward, "phantom_steps": phantom_steps, "enabled": True, "norm": norm}
-    net = NCSN(1, SIGMAS, arch="deq", ngf=3, deq=cfg).double()
+    net = NCSN(1, SIGMAS, arch="deq", ngf=3, deq=deq_setting(cfg)).double()
     with torch.no_grad():  # non-trivial noise-level conditioning of the DEQ map
         block = net.deq_block()
         block.shift.weight.normal_(0, 0.5)

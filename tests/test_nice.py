@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from src.deq.config import DEQConfig
 from src.models.nice import NICE, DEQCouplingFactory, deq_coupling_factory
 
 
@@ -121,25 +122,18 @@ def test_custom_coupling_factory_gets_the_half_sizes_and_pickles():
     assert torch.equal(clone.perm, torch.tensor([0, 2, 4, 1, 3, 5]))
 
 
-def test_deq_factory_is_picklable_without_importing_deq():
-    f = deq_coupling_factory(12, {"enabled": True, "tol": 1e-6}, n_layers=2)
+def test_deq_factory_is_picklable():
+    f = deq_coupling_factory(12, DEQConfig(tol=1e-6), n_layers=2)
     assert isinstance(f, DEQCouplingFactory)
     g = pickle.loads(pickle.dumps(f))
-    assert (g.width, g.n_layers, g.deq_config) == (12, 2, {"enabled": True, "tol": 1e-6})
+    assert (g.width, g.n_layers, g.deq_config) == (12, 2, DEQConfig(tol=1e-6))
 
 
 def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
     """The factory builds DEQNet(injection → DenseDEQBlock(in, width, n_layers, injection, config, name,
-    activation) → Linear(width, out)) with the announced src.deq API (a stand-in block here)."""
-    import dataclasses
-    import sys
+    activation) → Linear(width, out)) with the announced src.deq API (a stand-in block here), handing every block
+    the one parsed setting."""
     import types
-
-    @dataclasses.dataclass
-    class DEQConfig:
-        tol: float = 1e-5
-        max_iter: int = 128
-        injection: str | None = None
 
     class DenseDEQBlock(nn.Module):
         def __init__(self, in_dim, width, n_layers=1, injection=None, config=None, name="deq", activation="softplus"):
@@ -150,18 +144,17 @@ def test_deq_factory_wiring_with_a_stand_in_block(monkeypatch):
         def forward(self, x):
             return self.injection(x)
 
-    monkeypatch.setitem(sys.modules, "src.deq.block", types.SimpleNamespace(DenseDEQBlock=DenseDEQBlock))
-    monkeypatch.setitem(sys.modules, "src.deq.config",
-                        types.SimpleNamespace(DEQConfig=DEQConfig, INJECTIONS=("linear", "softplus")))
-    model = NICE(dim=9, coupling_net=deq_coupling_factory(6, {"enabled": True, "tol": 1e-9}, n_layers=2)).double()
+    monkeypatch.setattr("src.models.deq_net.blocks", types.SimpleNamespace(DenseDEQBlock=DenseDEQBlock))
+    setting = DEQConfig(tol=1e-9)
+    model = NICE(dim=9, coupling_net=deq_coupling_factory(6, setting, n_layers=2)).double()
     assert [m.block.args for m in model.couplings] == [
-        (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.0", "softplus"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.1", "softplus"),
-        (5, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.2", "softplus"), (4, 6, 2, DEQConfig(tol=1e-9), "nice.coupling.3", "softplus"),
+        (5, 6, 2, setting, "nice.coupling.0", "softplus"), (4, 6, 2, setting, "nice.coupling.1", "softplus"),
+        (5, 6, 2, setting, "nice.coupling.2", "softplus"), (4, 6, 2, setting, "nice.coupling.3", "softplus"),
     ]
     first = model.couplings[0]
     assert type(first.block.injection).__name__ == "Linear"  # NICE default: g = Ux + c (linear injection)
     assert (first.readout.in_features, first.readout.out_features) == (6, 4) and first.skip is None
-    soft = deq_coupling_factory(6, {"enabled": True, "injection": "softplus"})(5, 4)
+    soft = deq_coupling_factory(6, DEQConfig(injection="softplus"))(5, 4)
     assert [type(m).__name__ for m in soft.block.injection] == ["Linear", "Softplus"]
     x = torch.randn(3, 9, dtype=torch.float64)
     assert (model.inverse(model(x)) - x).abs().max().item() < 1e-12
@@ -171,7 +164,7 @@ def test_nice_with_deq_couplings_is_exactly_invertible():
     torch.manual_seed(0)
     cfg = {"solver": "picard", "tol": 1e-13, "max_iter": 1000, "phantom_steps": 2, "warm_start": True,
            "norm_lambda": 2.0, "backward": "phantom"}
-    model = NICE(dim=8, coupling_net=deq_coupling_factory(16, cfg)).double()
+    model = NICE(dim=8, coupling_net=deq_coupling_factory(16, DEQConfig(**cfg))).double()
     assert all(type(m.block).__name__ == "DenseDEQBlock" for m in model.couplings)
     x = torch.randn(16, 8, dtype=torch.float64)
     y = model(x)

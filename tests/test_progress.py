@@ -1,4 +1,4 @@
-"""Progress of the long non-epoch phases (src/runs/progress.py): Langevin sampling and AIS report every step through
+"""Progress of the long non-epoch phases (src/runtime/progress.py): Langevin sampling and AIS report every step through
 the run's progress bar, and nothing is shown with trainer.enable_progress_bar=false."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import RichProgressBar
 from lightning.pytorch.callbacks.progress.rich_progress import CustomProgress
 from rich.console import Console
 
-from src.runs import progress
 from src.runs.build import build
+from src.runtime import progress
 from tests.conftest import compose_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -97,7 +97,7 @@ def test_phase_joins_a_live_rich_progress_bar_and_leaves_it(monkeypatch):
 
 def test_phase_logs_tenths_when_stderr_is_a_file(caplog):
     """In a log file (nohup, CI) a bar prints nothing useful: start, each tenth with the time left, end."""
-    with caplog.at_level(logging.INFO, logger="src.runs.progress"), \
+    with caplog.at_level(logging.INFO, logger="src.runtime.progress"), \
             progress.phase(None, "AIS", total=40, force=True) as advance:
         for _ in range(40):
             advance(1)

@@ -21,7 +21,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 
-from src.runs.checkpoints import load_checked
+from src.runtime.checkpoints import load_checked
 from tests.conftest import FAST, REPO_ROOT, SHARED_DATA, require_mnist
 
 
@@ -160,7 +160,7 @@ def test_sigkill_mid_epoch_then_resume_is_bit_equal(runs_root, family):
 def test_validation_leaves_the_training_rng_untouched(tmp_path, one_thread):
     """A DEQ-NCSN validated after every epoch ends with the same weights and RNG state as one never validated:
     validation (its loaders, the seeded contraction check through split_tensor, any metric's draws) leaves the
-    training RNG where it found it (src.runs.rng, the loaders' own generators)."""
+    training RNG where it found it (src.runtime.rng, the loaders' own generators)."""
     require_mnist()
     from src.runs.training import train
     from tests.conftest import compose_train

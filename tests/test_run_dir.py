@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from src.runs.run_dir import LOCK_NAME, RunDirInUse, claim_run_dir, release, run_stamp
+from src.runtime.run_dir import LOCK_NAME, RunDirInUse, claim_run_dir, release, run_stamp
 from tests.conftest import FAST, REPO_ROOT
 
 TINY_RUN = [*FAST, "trainer.max_steps=3", "trainer.enable_progress_bar=false", "memory_estimate=false",
@@ -26,7 +26,7 @@ def _env() -> dict[str, str]:
 
 def test_run_stamp_is_fixed_in_a_process_and_differs_between_processes():
     assert run_stamp() == run_stamp()
-    code = "from src.runs.run_dir import run_stamp; print(run_stamp())"
+    code = "from src.runtime.run_dir import run_stamp; print(run_stamp())"
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True)
              for _ in range(3)]
     stamps = [p.communicate(timeout=120)[0].strip() for p in procs]

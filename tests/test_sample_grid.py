@@ -12,7 +12,8 @@ import torch
 from PIL import Image
 from torch.utils.data import DataLoader, TensorDataset
 
-from src.callbacks.samples import SampleGridCallback, log_image, make_grid_array, save_image_grid
+from src.callbacks.samples import SampleGridCallback
+from src.sampling.grids import log_image, make_grid_array, save_image_grid
 
 
 def _read(path: Path) -> tuple[str, np.ndarray]:

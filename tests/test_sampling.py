@@ -1,4 +1,4 @@
-"""Annealed Langevin dynamics (src/samplers/annealed_langevin.py): the step convention and known Gaussian scores, in float64.
+"""Annealed Langevin dynamics (src/sampling/annealed_langevin.py): the step convention and known Gaussian scores, in float64.
 
 The step is the reference code's (NCSN/NCSNv2 ``anneal_Langevin_dynamics``): x ← x + αᵢ·s(x, i) + √(2αᵢ)·z
 with αᵢ = ε·σᵢ²/σ_L², ε = ``step_lr``. The first two tests pin it one step at a time: the mean displacement
@@ -34,7 +34,7 @@ import pytest
 import torch
 
 from src.models.ncsn import geometric_sigmas
-from src.samplers.annealed_langevin import annealed_langevin, langevin_step_sizes
+from src.sampling.annealed_langevin import annealed_langevin, langevin_step_sizes
 
 MU, S = 0.3, 0.2
 N, D = 10_000, 4
@@ -52,7 +52,7 @@ def recursion(sigmas, n_steps, eps, denoise):
     m, v = 0.5, 1 / 12
     sig = sigmas.tolist()
     for s in sig:
-        alpha = eps * (s / sig[-1]) ** 2  # independent of src.samplers.annealed_langevin's helper
+        alpha = eps * (s / sig[-1]) ** 2  # independent of src.sampling.annealed_langevin's helper
         a = 1 - alpha / (S**2 + s**2)
         for _ in range(n_steps):
             m, v = a * m + (1 - a) * MU, a * a * v + 2 * alpha

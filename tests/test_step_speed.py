@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from src.deq.config import deq_setting
 from src.lit.dkef import DKEFLitModule
 from src.models.dkef import DKEF
 from src.objectives.sm import AUTO_REPLICATE_ROWS, resolve_trace_route, sm
@@ -27,7 +28,7 @@ DEQ = {"enabled": True, "solver": "picard", "tol": 1e-12, "max_iter": 500, "phan
 
 def _dkef(kind: str) -> DKEF:
     torch.manual_seed(0)
-    return DKEF(4, deq=DEQ if kind == "deq" else None, depth=2, n_inducing=7, feature_dim=5, hidden=6,
+    return DKEF(4, deq=deq_setting(DEQ) if kind == "deq" else None, depth=2, n_inducing=7, feature_dim=5, hidden=6,
                 deq_width=6).double()
 
 

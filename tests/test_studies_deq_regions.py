@@ -1,4 +1,4 @@
-"""Linear regions of a ReLU DEQ with any W (src.studies.regions.relu_deq_pl, the counter of a *trained* DEQ on
+"""Linear regions of a ReLU DEQ with any W (src.separation.regions.relu_deq_pl, the counter of a *trained* DEQ on
 Theorem 1's sawtooth target), and a DEQ trained on a small sawtooth through src.train."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from src.studies import regions as rg
+from src.separation import regions as rg
 
 
 @pytest.mark.parametrize("m", [3, 6, 9])
@@ -52,13 +52,14 @@ def test_picard_that_does_not_converge_raises():
 def test_deq_regions_of_a_dense_deqnet_match_its_forward(one_thread):
     """The analysis' PL map of a DEQNet whose (Frobenius-normalised) W is dense equals the network's own forward
     (its solver run to 1e-13): read-out, injection and normalisation taken as the forward takes them."""
+    from src.deq.config import deq_setting
     from src.models.supervised import DEQNet
-    from src.studies.analysis import deq_regions
+    from src.separation.analysis import deq_regions
 
     torch.manual_seed(0)
     deq = {"enabled": True, "norm": "frobenius", "norm_lambda": 2.0, "tol": 1e-13, "max_iter": 500,
            "warm_start": False, "solver": "picard"}
-    net = DEQNet(1, 1, 8, deq=deq, family="supervised", n_layers=1, activation="relu").double()
+    net = DEQNet(1, 1, 8, deq=deq_setting(deq), family="supervised", n_layers=1, activation="relu").double()
     with torch.no_grad():
         net.block.injection.weight.mul_(6.0)  # many kinks on [0, 1]
     pl = deq_regions(net)

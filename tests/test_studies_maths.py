@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy.optimize import minimize
 
-from src.studies import implicit_bias as ib
-from src.studies import regions as rg
+from src.separation import implicit_bias as ib
+from src.separation import regions as rg
 
 
 # ---------------------------------------------------------------------------------- region counter

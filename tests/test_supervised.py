@@ -38,7 +38,7 @@ def test_linear_regions_mlp_counts_its_regions(tmp_path, one_thread):
 
 def test_region_counter_matches_a_random_mlp():
     from src.models.supervised import MLP
-    from src.studies.regions import count_regions, relu_mlp
+    from src.separation.regions import count_regions, relu_mlp
 
     torch.manual_seed(0)
     net = MLP(1, 1, hidden=8, depth=4).double()
@@ -80,11 +80,12 @@ def test_steep_and_signal_experiments(tmp_path, one_thread, exp, extra):
 
 
 def test_supervised_param_matching():
+    from src.deq.config import deq_setting
     from src.models.supervised import build_supervised_net, deq_params
 
     deq = {"enabled": True, "norm": "frobenius"}
-    d = build_supervised_net(10, 1, deq=deq, width=32)
-    f = build_supervised_net(10, 1, deq={"enabled": False}, depth=3, width=32, match="params")
+    d = build_supervised_net(10, 1, deq=deq_setting(deq), width=32)
+    f = build_supervised_net(10, 1, deq=deq_setting({"enabled": False}), depth=3, width=32, match="params")
     n_d, n_f = (sum(p.numel() for p in n.parameters()) for n in (d, f))
     assert n_d == deq_params(10, 1, 32) and abs(n_f - n_d) / n_d < 0.05
     with pytest.raises(ValueError, match="arch"):

@@ -129,7 +129,7 @@ def test_flush_denormal_setting_reaches_torch(tmp_path, flush):
     """``flush_denormal`` (default true) makes float32 subnormals zero, false keeps gradual underflow."""
     import torch
 
-    from src.runs.environment import set_float_environment
+    from src.runtime.environment import set_float_environment
 
     cfg = compose_train([*FAST, "model=dkef"] + ([] if flush else ["flush_denormal=false"]), tmp_path)
     assert cfg.flush_denormal is flush

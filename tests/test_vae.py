@@ -10,8 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from src.config.deq import resolve_depth
-from src.deq.config import DEQConfig
+from src.deq.config import DEQConfig, deq_setting, resolve_depth
 from src.models.vae import (
     ConditionalScore,
     Decoder,
@@ -105,7 +104,7 @@ def test_surrogate_elbo_parts():
     assert prior_log_prob(torch.zeros(2, 4)).allclose(torch.full((2,), -2 * math.log(2 * math.pi)))
 
 
-DEQ_ON = {"enabled": True, "tol": 1e-6, "max_iter": 100}
+DEQ_ON = DEQConfig(tol=1e-6, max_iter=100)
 
 
 @pytest.mark.parametrize("shape,arch", [((1, 28, 28), "mlp"), ((1, 28, 28), "conv"), ((3, 32, 32), "conv"),
@@ -137,7 +136,7 @@ def test_depth_rules():
     with pytest.raises(ValueError, match="one layer inside f"):
         resolve_depth("vae", 8, deq)
     with pytest.raises(ValueError, match="linear"):
-        ScoreEstimator((1, 8, 8), 3, arch="conv", deq={"enabled": True, "injection": "softplus"})
+        ScoreEstimator((1, 8, 8), 3, arch="conv", deq=deq_setting({"enabled": True, "injection": "softplus"}))
 
 
 def test_aug_layers_start_input_dependent_with_he_initialisation():
@@ -166,7 +165,7 @@ def test_deq_with_zero_kernel_is_the_explicit_ssm_vae_estimator():
     squash), with the same weights."""
     torch.manual_seed(0)
     shape, dz = (1, 8, 8), 3
-    deq = ScoreEstimator(shape, dz, arch="conv", channels=4, deq={"enabled": True, "tol": 1e-10})
+    deq = ScoreEstimator(shape, dz, arch="conv", channels=4, deq=DEQConfig(tol=1e-10))
     ex = ScoreEstimator(shape, dz, arch="conv", channels=4, depth=0)
     with torch.no_grad():
         deq.block.kernel.zero_()
@@ -205,7 +204,7 @@ def test_conv_deq_score_estimator_derivatives_against_a_long_unroll():
     torch.manual_seed(0)
     shape, dz, b = (1, 8, 8), 3, 3
     cfg = {"enabled": True, "tol": 1e-13, "max_iter": 400, "warm_start": False, "backward": "implicit"}
-    est = ScoreEstimator(shape, dz, arch="conv", channels=3, deq=cfg).double()
+    est = ScoreEstimator(shape, dz, arch="conv", channels=3, deq=deq_setting(cfg)).double()
     x = torch.rand(b, *shape, dtype=torch.float64)
     z = torch.randn(b, dz, dtype=torch.float64)
     v = torch.randn(b, dz, dtype=torch.float64)

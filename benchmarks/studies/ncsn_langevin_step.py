@@ -1,13 +1,13 @@
 """Which Langevin step size for MNIST? FID of one NCSN checkpoint's samples over step_lr × T (× update).
 
-``src.samplers.annealed_langevin`` takes the reference code's step x ← x + αᵢ·s + √(2αᵢ)·z, αᵢ = ε·σᵢ²/σ_L² (ε = ``step_lr``).
+``src.sampling.annealed_langevin`` takes the reference code's step x ← x + αᵢ·s + √(2αᵢ)·z, αᵢ = ε·σᵢ²/σ_L² (ε = ``step_lr``).
 This sweeps ε and T (steps per level) on ONE trained checkpoint, with the same seed for every setting (the
 same start x₀ and the same noise draws, so the settings differ only in ε and T), and reports the FID of
 ``--n`` samples against ``--n`` test images on the shipped MNIST classifier's features — the protocol of
 ``model.metrics.fid`` (``src/metrics/fid.py``: real images from ``split_tensor("test", n)``), with
 the FID of ``--n`` real training images against the same test images as the floor at this sample size.
 ``--update euler authors`` adds the step rule as a third axis (``model.sampling.update``: the Euler step or the
-DEQ paper authors' code's, see ``src.samplers.annealed_langevin``); each setting also records its white-out, the
+DEQ paper authors' code's, see ``src.sampling.annealed_langevin``); each setting also records its white-out, the
 share of pixels above ``src.metrics.fid.WHITE`` (0.99), and with ``--bootstrap B`` its FID's bootstrap sd.
 
     python -m benchmarks.studies.ncsn_langevin_step --ckpt <run>/checkpoints/last.ckpt --root <data dir> \\
@@ -36,7 +36,7 @@ from pathlib import Path
 
 from benchmarks.lib.results import RESULTS, machine_facts, script_command
 from src.reports.tables import markdown_table, rerender, write_results
-from src.samplers.annealed_langevin import UPDATES
+from src.sampling.annealed_langevin import UPDATES
 
 
 def key_of(step_lr: float, n_steps_each: int, update: str = "euler") -> str:

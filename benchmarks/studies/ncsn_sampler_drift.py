@@ -22,7 +22,7 @@ systematic drift that the loss on x̃ never sees.
 
 Writes ``<out>/<name>.json`` and ``.md`` (default ``benchmarks/results/ncsn_sampler_drift``).
 
-``--step-lr`` is ε of :mod:`src.samplers.annealed_langevin` (x + αᵢ·s + √(2αᵢ)·z, αᵢ = ε·σᵢ²/σ_L², the reference code's step).
+``--step-lr`` is ε of :mod:`src.sampling.annealed_langevin` (x + αᵢ·s + √(2αᵢ)·z, αᵢ = ε·σᵢ²/σ_L², the reference code's step).
 The committed ``ncsn_sampler_drift.md`` predates that convention: its ε = 2·10⁻⁴ took x + (ε/2)·s + √ε·z,
 the chain that ``--step-lr 1e-4`` (the default) runs now.
 """
@@ -52,7 +52,7 @@ def level_stats(net, x, i: int, sigma: float) -> dict[str, float]:
 def diagnose(module, n: int, n_steps_each: int, step_lr: float, seed: int) -> dict:
     import torch
 
-    from src.samplers.annealed_langevin import annealed_langevin
+    from src.sampling.annealed_langevin import annealed_langevin
 
     net = module.net
     net.eval()

@@ -4,7 +4,7 @@ Learning Dynamics* (NeurIPS 2024) in one report.
     python -m benchmarks.studies.separation_report [--only regions,implicit_bias,gotu,steep,signal] [--seeds 0,1,2] [--rerun]
     python -m benchmarks.studies.separation_report --render     # rebuild the markdown from the JSON
 
-Part 1 computes the exact checks (pure functions of ``src/studies``: no training; Theorem 3's on one random
+Part 1 computes the exact checks (pure functions of ``src/separation``: no training; Theorem 3's on one random
 problem per seed). Part 2 runs every training study as the ``python -m src.train experiment=<name> …`` command a
 user types, once per seed (seed 0: the command as documented; seed s ≥ 1 appends ``seed=s data.seed=s``), one
 process per job, one torch thread each, run directories under ``--runs``. It resumes: a job whose directory
@@ -39,9 +39,9 @@ import numpy as np
 from benchmarks.lib.jobs import thread_env, train_job
 from benchmarks.lib.results import RESULTS, ROOT, made_by, script_command
 from src.reports.tables import group_rows, seed_verdict, summarise, write_results
-from src.studies import implicit_bias as ib
-from src.studies import regions as rg
-from src.studies import tasks
+from src.separation import implicit_bias as ib
+from src.separation import regions as rg
+from src.separation import tasks
 
 STUDIES = ("regions", "implicit_bias", "gotu", "steep", "signal")
 

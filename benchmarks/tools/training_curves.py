@@ -106,9 +106,9 @@ def eval_overrides(grid_name: str, args) -> list[str]:
 
 
 def checkpoint_facts(path: Path) -> dict:
-    from src.runs.checkpoints import load_checked
+    from src.runtime.checkpoints import load_checked
 
-    ckpt = load_checked(path)  # weights-only (src.runs.checkpoints)
+    ckpt = load_checked(path)  # weights-only (src.runtime.checkpoints)
     wall = None
     for key, state in (ckpt.get("callbacks") or {}).items():
         if "ProfilingCallback" in str(key) and isinstance(state, dict):

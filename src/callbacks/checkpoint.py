@@ -9,7 +9,7 @@ One callback owns ``last.ckpt`` (``callbacks.last_checkpoint``). It saves the ru
   training ends.
 
 Every checkpoint the run writes — a step file, the best ``epoch_*.ckpt`` of ``model_checkpoint``, the files of
-another ``ModelCheckpoint`` in another folder — is written *as* ``last.ckpt``: :class:`~src.runs.checkpoints.AtomicCheckpointIO` writes ``last.ckpt`` atomically
+another ``ModelCheckpoint`` in another folder — is written *as* ``last.ckpt``: :class:`~src.runtime.checkpoints.AtomicCheckpointIO` writes ``last.ckpt`` atomically
 first and gives the other file the same content under its own name (a hard link), so a kill at any moment leaves
 ``last.ckpt`` at the newest state saved, never behind a step file, and there is never a ``last-v1.ckpt``.
 Lightning runs checkpoint callbacks after all others, so the EMA average of a step is updated before it is
@@ -25,7 +25,7 @@ import lightning.pytorch as L
 from lightning.pytorch.callbacks import Checkpoint
 from lightning.pytorch.trainer.states import TrainerFn
 
-from src.runs.checkpoints import AtomicCheckpointIO, remove_stale_temporaries
+from src.runtime.checkpoints import AtomicCheckpointIO, remove_stale_temporaries
 
 LAST = "last.ckpt"
 
@@ -48,7 +48,7 @@ class LastCheckpoint(Checkpoint):
             return
         io = trainer.strategy.checkpoint_io
         if not isinstance(io, AtomicCheckpointIO):
-            raise TypeError("LastCheckpoint needs src.runs.checkpoints.AtomicCheckpointIO as the trainer's checkpoint IO "
+            raise TypeError("LastCheckpoint needs src.runtime.checkpoints.AtomicCheckpointIO as the trainer's checkpoint IO "
                             "(plugins=[AtomicCheckpointIO()]), which writes every checkpoint as last.ckpt first")
         io.last_path = Path(self.last_model_path)
         if trainer.is_global_zero:

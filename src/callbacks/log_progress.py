@@ -10,7 +10,7 @@ plus, for a validation, one line when it starts (its batch count) and, if it tak
 a line every ``every_s`` seconds with the batches done (a NICE validation computes the exact SM loss at
 D = 784: minutes on a CPU), then one line with the logged ``val/`` scalars; and one at the end of training.
 ``when``: ``auto`` (only when stdout is not a terminal), ``always``, or ``never`` (silent). The long
-evaluation phases (Langevin, AIS, FID, test points) log their own lines in that case: :mod:`src.runs.progress`.
+evaluation phases (Langevin, AIS, FID, test points) log their own lines in that case: :mod:`src.runtime.progress`.
 """
 
 from __future__ import annotations

@@ -34,9 +34,8 @@ import lightning.pytorch as L
 import torch
 
 from src.callbacks.profiling import SavedTensorsMeter
-from src.config.deq import deq_setting
 from src.deq.lookup import blocks_of
-from src.runs.rng import seeded_rng
+from src.runtime.rng import seeded_rng
 
 log = logging.getLogger(__name__)
 
@@ -126,25 +125,25 @@ def estimate_step_bytes(probes: dict[int, int], batch_size: int, param_bytes: in
     return PEAK_FACTOR * (fixed + batch_size * per_sample) + 3 * param_bytes, per_sample
 
 
-def lowering_hints(model_cfg, deq_cfg, batch_size: int) -> str:
-    """The keys that lower a step's memory, with their values in this run."""
+def lowering_hints(model_cfg, deq, batch_size: int) -> str:
+    """The keys that lower a step's memory, with their values in this run; ``deq``: the module's DEQ setting (a
+    ``DEQConfig``, or None for explicit layers)."""
     hints = [f"data.batch_size (now {batch_size})"]
     for key in WIDTH_KEYS:
         value = model_cfg.get(key) if model_cfg is not None else None
         if isinstance(value, int) and not isinstance(value, bool):
             hints.append(f"model.{key} (now {value})")
-    setting = deq_setting(deq_cfg)
-    if setting is not None and setting.backward == "phantom":
-        hints.append(f"deq.backward=implicit or fewer deq.phantom_steps (now {setting.phantom_steps})")
+    if deq is not None and deq.backward == "phantom":
+        hints.append(f"deq.backward=implicit or fewer deq.phantom_steps (now {deq.phantom_steps})")
     return ", ".join(hints)
 
 
 class MemoryEstimate(L.Callback):
     """Probe, estimate, log, and warn before the first training step (see the module docstring)."""
 
-    def __init__(self, batch_size: int | None, model_cfg=None, deq_cfg=None):
+    def __init__(self, batch_size: int | None, model_cfg=None):
         self.batch_size = batch_size
-        self.model_cfg, self.deq_cfg = model_cfg, deq_cfg
+        self.model_cfg = model_cfg
         self.result: dict | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -177,4 +176,4 @@ class MemoryEstimate(L.Callback):
             log.warning(
                 "memory estimate: a training step at data.batch_size=%d needs about %.1f GB but only %.1f GB of "
                 "%s is free: the run may swap or be killed. Lower %s.", self.batch_size, step / GB, free / GB,
-                where, lowering_hints(self.model_cfg, self.deq_cfg, int(self.batch_size)))
+                where, lowering_hints(self.model_cfg, getattr(pl_module, "deq", None), int(self.batch_size)))

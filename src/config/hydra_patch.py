@@ -7,16 +7,13 @@ the option name ``"true"``/``"false"`` before Hydra builds the defaults list. No
 boolean for a plain key stays a boolean. Installed on ``import src`` (every entry point imports it), so
 ``hydra.compose(..., overrides=["deq=true"])`` works in tools that import the package first.
 
-Every composition (command line, ``hydra.compose``, each sweep trial) is also checked for config keys that moved
-(:data:`src.config.moved_keys.MOVED_KEYS`): an override or a config file naming one is refused with one line naming the
-new key, before Hydra's own "Could not override" (which would not say where the key went).
-
 It also registers the config's resolvers (:mod:`src.config.resolvers`).
 
 Why a patch at all: ``deq=true`` must stay a config-group choice (``deq.solver=anderson`` beside it, sweeps
 ``deq=true,false``), and Hydra offers no hook to read ``true`` as a group option name.
-``tests/test_hydra_patch.py`` fails when Hydra's behaviour changes (the private classes patched here, or a
-Hydra that accepts boolean group choices by itself and makes this module unnecessary).
+It is the one patch of a private Hydra class in deqsm (``hydra._internal.defaults_list.Overrides``), kept small:
+``tests/test_hydra_patch.py`` fails when Hydra's behaviour changes (the class patched here moves, or a Hydra that
+accepts boolean group choices by itself makes this module unnecessary).
 """
 
 from __future__ import annotations
@@ -47,29 +44,5 @@ def install() -> None:
         original(self, repo, overrides_list)
 
     defaults_list.Overrides.__init__ = __init__
-    _refuse_moved_keys_on_compose()
     _INSTALLED = True
 
-
-def _refuse_moved_keys_on_compose() -> None:
-    """Before Hydra applies the command-line overrides to the composed config (config files merged, struct
-    set), refuse a moved key in either with :func:`src.config.moved_keys.moved_key_message`'s line."""
-    from hydra._internal.config_loader_impl import ConfigLoaderImpl
-    from hydra.errors import ConfigCompositionException
-
-    from src.config.moved_keys import moved_override_message, refuse_moved_keys
-
-    original = ConfigLoaderImpl._apply_overrides_to_config
-
-    @functools.wraps(original)
-    def apply_overrides(overrides, cfg):
-        message = moved_override_message(o.key_or_group for o in overrides)
-        if message is not None:
-            raise ConfigCompositionException(message)
-        try:
-            refuse_moved_keys(cfg, "a config file")
-        except ValueError as exc:
-            raise ConfigCompositionException(str(exc)) from None
-        original(overrides, cfg)
-
-    ConfigLoaderImpl._apply_overrides_to_config = staticmethod(apply_overrides)

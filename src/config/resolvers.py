@@ -2,7 +2,7 @@
 
 ``${sweep_direction:${optimized_metric_mode}}`` turns the checkpoint callback's ``min``/``max`` into the Optuna
 sweeper's ``minimize``/``maximize`` (conf/hparams_search/); ``${run_stamp:}`` names a run directory uniquely per
-process (:func:`src.runs.run_dir.run_stamp`, conf/hydra/default.yaml).
+process (:func:`src.runtime.run_dir.run_stamp`, conf/hydra/default.yaml).
 """
 
 from __future__ import annotations
@@ -24,6 +24,6 @@ def register_resolvers() -> None:
     if not OmegaConf.has_resolver("sweep_direction"):
         OmegaConf.register_new_resolver("sweep_direction", sweep_direction)
     if not OmegaConf.has_resolver("run_stamp"):
-        from src.runs.run_dir import run_stamp
+        from src.runtime.run_dir import run_stamp
 
         OmegaConf.register_new_resolver("run_stamp", run_stamp)

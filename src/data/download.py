@@ -24,7 +24,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from src.runs.atomic import atomic_file
+from src.runtime.atomic import atomic_file
 
 log = logging.getLogger(__name__)
 

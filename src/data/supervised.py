@@ -1,5 +1,5 @@
 """Synthetic supervised data for the DEQ-vs-feed-forward studies: one data module over the tasks of
-:mod:`src.studies.tasks` (theorem1, steep, regression, gotu, signal). A batch is an ``(x, y)`` tuple,
+:mod:`src.separation.tasks` (theorem1, steep, regression, gotu, signal). A batch is an ``(x, y)`` tuple,
 x [B, d], y [B, 1]; ``split_tensor`` gives x as the data contract asks.
 
 ``full_batch=true`` makes every training batch the whole training split (gradient descent, not SGD) and an
@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from src.data.contract import ScoreDataModule, check_split
 from src.data.resumable import ResumableLoader, ResumableSampler, eval_generator
-from src.studies.tasks import TASKS
+from src.separation.tasks import TASKS
 
 
 class _Repeat(Dataset):

@@ -2,7 +2,8 @@
 
 Paper map: eq. 5 → :mod:`src.deq.maps`; §3.2 → :mod:`src.deq.normalization`; Alg. 1 (phantom gradient,
 Prop. 2) and warm start (§3.4) → :mod:`src.deq.block`; Prop. 1 / eqs. 8–9 (exact implicit derivatives of every
-order) → :mod:`src.deq.implicit`; fixed-point solvers (App. B, F) → :mod:`src.deq.solvers`.
+order) → :mod:`src.deq.implicit`; fixed-point solvers (App. B, F) → :mod:`src.deq.solvers`. The ``deq`` setting
+(:class:`DEQConfig`, its one parse and every family's depth rule) → :mod:`src.deq.config`.
 """
 
 from src.deq.block import (

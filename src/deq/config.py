@@ -1,14 +1,34 @@
-"""Configuration of a DEQ block: solver, tolerances, backward mode (paper §3.2–3.4, Alg. 1)."""
+"""The ``deq`` setting's one home: the typed setting of a DEQ block, its one parse, every family's depth rule.
+
+:class:`DEQConfig` holds a DEQ block's keys — solver, tolerances, backward mode, normalisation (paper §3.2–3.4,
+Alg. 1) — checked on construction; its field defaults are the one definition of the DEQ defaults.
+
+``deq=true`` / ``deq=false`` pick the config group ``conf/deq/{true,false}.yaml``: one mapping with ``enabled`` and
+the keys of :class:`DEQConfig`. :func:`deq_setting` turns it into the one typed value every network takes — a
+:class:`DEQConfig` (a DEQ block, eq. 5) or ``None`` (explicit layers) — and is the only reader of ``enabled``. It is
+called once per run, where the LightningModule is built (:class:`src.lit.base.DeqsmModule`, which keeps the plain
+mapping as a hyper-parameter so that a checkpoint stays weights-only loadable), and refuses there, in one line naming
+the keys, every combination the family cannot run (a block of another family, the one-pass control without a DEQ,
+``loss=cp`` with the implicit backward). The networks receive the typed value and parse nothing.
+
+:data:`DEPTH_RULES` holds what ``depth: null`` means and which depths are valid, per family: the explicit default
+(DKEF: the reference Φ_w's 3 dense layers; NICE: the reference coupling MLP's 5; the VAE score estimator: 0 extra
+layers, the SSM VAE; NCSN: 1 plain ResBlock standing for the DEQ-ResBlock), and the DEQ default (1 layer inside f,
+the paper's) — fixed at 1 where the family's DEQ block has exactly one layer (VAE, NCSN). :func:`resolve_depth`
+applies it; :func:`resolve_injection` resolves ``deq.injection: null``.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
+from typing import Any
 
 SOLVERS = ("picard", "anderson", "broyden")
 BACKWARDS = ("phantom", "implicit")
 STOP_MODES = ("abs", "rel")
 NORMS = ("frobenius", "spectral", "none")  # none: the weights as they are (hand-built maps)
-INJECTIONS = ("linear", "softplus")  # deq.injection; null: the model family's (src.config.deq.DEPTH_RULES)
+INJECTIONS = ("linear", "softplus")  # deq.injection; null: the model family's (DEPTH_RULES below)
 BLOCKS = (None, "normalized_residual")  # None: the family's block
 PAPER_NORM, PAPER_NORM_LAMBDA = "frobenius", 2.0  # §3.2: W / (λ‖W‖_F), λ = 2 — what an unset deq.norm means
 
@@ -114,3 +134,127 @@ class DEQConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# ------------------------------------------------------------------------------------------ the one parse
+# The DEQ blocks beyond the family's own (``deq.block: null``) that a family can build: a ``deq.block`` of another
+# family is refused in one line (model=dkef with deq.block=normalized_residual was a TypeError deep in the block).
+FAMILY_BLOCKS: dict[str, tuple[str, ...]] = {"ncsn": ("normalized_residual",)}
+
+
+def deq_setting(deq: Any, family: str | None = None, loss: str | None = None,
+                enabled: bool | None = None) -> DEQConfig | None:
+    """The ``deq`` config group → ``DEQConfig`` (``enabled: true``) or ``None`` (``enabled: false``, or no group).
+
+    The one place that reads ``deq.enabled`` (``enabled`` given: a family whose architecture is a DEQ by its own
+    choice, the supervised ``model.arch=deq``, takes the keys whatever the group says); the other keys are checked
+    by ``DEQConfig`` (one-line errors). Refused first, each in one line naming the keys: with ``family`` given
+    (``dkef``, ``nice``, …) a ``deq.block`` that family cannot build (:func:`check_block`); ``deq=false`` with
+    ``deq.one_pass=true`` (the one-pass control replaces a DEQ's fixed point, and explicit layers have none; the
+    other solver keys stay valid with ``deq=false``, so that sweeps over ``deq=true,false`` keep them); with
+    ``loss`` given, ``loss=cp`` with ``deq.backward=implicit``. A ``DEQConfig`` passes through (checked the same
+    way)."""
+    if deq is None:
+        return None
+    if isinstance(deq, DEQConfig):
+        check_block(family, deq.block)
+        return check_loss(deq, loss)
+    if not isinstance(deq, Mapping):
+        raise ValueError(f"deq={deq!r}: give the deq config group (deq=true or deq=false, then deq.<key>=<value>)")  # noqa: TRY004
+    keys = {k: deq[k] for k in deq if k != "enabled"}  # plain values (a DictConfig resolves interpolations here)
+    if not (bool(deq.get("enabled", False)) if enabled is None else enabled):
+        if keys.get("one_pass"):
+            raise ValueError("deq.one_pass=true needs deq=true: the one-pass control replaces the DEQ's fixed point "
+                             "by one explicit pass, and deq=false has no DEQ; drop deq.one_pass or use deq=true")
+        return None
+    check_block(family, keys.get("block"))  # before the other keys: their messages assume the block is possible
+    return check_loss(DEQConfig(**keys), loss)
+
+
+def check_block(family: str | None, block: str | None) -> None:
+    """Refuse ``deq.block`` when ``family`` cannot build it (:data:`FAMILY_BLOCKS`; nothing is refused when
+    ``family`` or ``block`` is None), in one line naming the keys."""
+    if family is None or block is None or block in FAMILY_BLOCKS.get(family, ()):
+        return
+    owners = [f"model={f}" for f, blocks in FAMILY_BLOCKS.items() if block in blocks]
+    raise ValueError(f"deq.block={block} is a block of {', '.join(owners) or 'no model family'} only: model={family} "
+                     "has its own DEQ block, so drop deq.block (or set deq.block=null)")
+
+
+def check_loss(config: DEQConfig, loss: str | None) -> DEQConfig:
+    """Refuse ``loss=cp`` with ``deq.backward=implicit`` (one line); ``config`` otherwise."""
+    if loss == "cp" and config.backward == "implicit":
+        raise ValueError(
+            "loss=cp cannot run with deq.backward=implicit: curvature propagation records the network's elementary "
+            "ops, and the implicit DEQ hides them inside one autograd Function. Use deq.backward=phantom with cp, "
+            "or an exact/sliced loss (sm, ssm, ssm_vr, dsm) with the implicit backward"
+        )
+    return config
+
+
+# ------------------------------------------------------------------------------------------ depth per family
+@dataclass(frozen=True)
+class DepthRule:
+    """What ``depth`` means for one family: explicit layers when ``deq=false``, layers inside f when ``deq=true``."""
+
+    explicit_default: int  # depth: null with deq=false
+    explicit_min: int = 1  # the smallest explicit depth
+    deq_default: int = 1  # depth: null with deq=true (the paper's one layer inside f)
+    deq_only_default: str = ""  # non-empty: the DEQ block has exactly deq_default layers; why (the refusal)
+    injection: str = "linear"  # what deq.injection: null means (src/models/deq_net.py says why linear)
+    meaning: str = "explicit layers when deq=false, layers inside the DEQ map f when deq=true"
+
+
+DEPTH_RULES: dict[str, DepthRule] = {
+    "dkef": DepthRule(explicit_default=3),
+    "nice": DepthRule(explicit_default=5),
+    "supervised": DepthRule(explicit_default=3),  # the DEQ-vs-feed-forward studies (src/separation)
+    "vae": DepthRule(explicit_default=0, explicit_min=0,
+                     deq_only_default="the VAE score estimator's DEQ block has one layer inside f",
+                     meaning="extra stride-1 layers of the VAE score estimator (0: the SSM VAE; 8, 16: Aug(8), "
+                             "Aug(16)) when deq=false"),
+    "ncsn": DepthRule(explicit_default=1,
+                      deq_only_default="the DEQ-ResBlock's map has one residual branch (depth 1)",
+                      meaning="the plain ResBlocks standing in for the DEQ-ResBlock when deq=false"),
+}
+
+
+def _rule(family: str) -> DepthRule:
+    try:
+        return DEPTH_RULES[family]
+    except KeyError:
+        raise ValueError(f"unknown model family {family!r}; known: {', '.join(DEPTH_RULES)}") from None
+
+
+def resolve_depth(family: str, depth: int | None, deq: DEQConfig | None) -> int:
+    """The ``depth`` key of ``family``, validated, with ``None`` replaced by the family's default
+    (:data:`DEPTH_RULES`); ``deq`` is :func:`deq_setting`'s value (``None``: explicit layers)."""
+    rule = _rule(family)
+    enabled = deq is not None
+    if depth is None:
+        return rule.deq_default if enabled else rule.explicit_default
+    minimum = 1 if enabled else rule.explicit_min
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or int(depth) != depth or depth < minimum:
+        default = f"{rule.deq_default} with deq=true, {rule.explicit_default} with deq=false"
+        raise ValueError(f"depth={depth!r} is invalid for {family}: give an integer >= {minimum} ({rule.meaning}), "
+                         f"or leave it unset for the {family} default ({default})")
+    if enabled and rule.deq_only_default and int(depth) != rule.deq_default:
+        raise ValueError(f"depth={depth} with deq=true: {rule.deq_only_default}; leave depth unset "
+                         f"(or {rule.deq_default})")
+    return int(depth)
+
+
+def resolve_injection(family: str, injection: str | None) -> str:
+    """``deq.injection``: ``linear`` | ``softplus``, or ``None`` for the family's default."""
+    value = _rule(family).injection if injection is None else injection
+    if value not in INJECTIONS:
+        raise ValueError(f"deq.injection={injection!r} is unknown; valid: {', '.join(INJECTIONS)} "
+                         "(or null for the model family's default)")
+    return value
+
+
+def run_depth(cfg: Mapping, family: str) -> tuple[int, bool]:
+    """``(depth, ran a DEQ)`` of a finished run's composed config (``cfg['deq']``, ``cfg['depth']``), as its module
+    resolved them when it was built (the sweep report's memory-vs-depth figure)."""
+    setting = deq_setting(cfg.get("deq"))
+    return resolve_depth(family, cfg.get("depth"), setting), setting is not None

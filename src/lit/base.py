@@ -28,6 +28,7 @@ import torch
 
 from src.config.values import plain
 from src.data.contract import ScoreDataModule, require_contract
+from src.deq.config import DEQConfig, deq_setting
 from src.lit.deq_monitor import DEQMonitorMixin
 from src.lit.optimizers import OptimizersMixin, optimizer_arguments
 from src.lit.resume import ResumeHooksMixin
@@ -55,6 +56,10 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
     """
 
     net: torch.nn.Module
+    family: str | None = None  # the model family (src.deq.config.DEPTH_RULES): what deq and depth may say
+    # The run's DEQ setting, parsed once from the ``deq`` config group where the module is built (__init__): a
+    # DEQConfig, or None for explicit layers. The family hands it to its network; nothing below parses it again.
+    deq: DEQConfig | None = None
     # The training objective (model.loss), built once here from the config by
     # src.objectives.registry.objective_from_config; a family without one (the supervised studies) sets None.
     default_loss: str | None = None  # the family's objective when model.loss names none
@@ -63,12 +68,15 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
 
     def __init__(self, optimizer: Mapping | None = None, metrics: Mapping | None = None,
                  monitor: str | None = None, monitor_mode: str | None = None,
-                 loss: Mapping | None = None, loss_bound: Mapping | None = None):
+                 loss: Mapping | None = None, loss_bound: Mapping | None = None, deq: Mapping | None = None,
+                 deq_enabled: bool | None = None):
         """``monitor`` / ``monitor_mode``: the family's default ``optimized_metric`` (conf/train.yaml reads
         them from the model config); the module itself only records them. ``loss``: the ``model.loss`` config,
         built into ``self.objective`` (with ``self.loss_name``, ``self.loss_kwargs``) when the family has a
         ``default_loss``; ``loss_bound``: hyper-parameters the family sets over the config's (the VAE's
-        projection)."""
+        projection). ``deq``: the ``deq`` config group, parsed here once into ``self.deq``
+        (:func:`src.deq.config.deq_setting`, which refuses what the family cannot run); ``deq_enabled``: True for
+        a family whose architecture is a DEQ by its own choice (the supervised ``model.arch=deq``)."""
         super().__init__()
         self.monitor, self.monitor_mode = monitor, monitor_mode
         self.loss_name: str | None = None
@@ -78,6 +86,7 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
             self.loss_name, self.loss_kwargs, self.objective = objective_from_config(
                 plain(loss), default=self.default_loss, family=type(self).__name__,
                 allowed=self.train_losses, ignored=self.ignored_loss_keys, bound=loss_bound)
+        self.deq = deq_setting(deq, self.family, loss=self.loss_name, enabled=deq_enabled)
         self.optimizer_cfg = dict(plain(optimizer) or {})
         for name, spec in self.optimizer_specs().items():  # bad optimiser settings: one line, at start-up
             optimizer_arguments(spec, self._optimizer_key(name))
@@ -203,7 +212,7 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
             return None
         from pathlib import Path
 
-        from src.callbacks.samples import log_image, save_image_grid
+        from src.sampling.grids import log_image, save_image_grid
 
         path = save_image_grid(images, Path(self.trainer.default_root_dir) / name)
         log_image(self.trainer, "samples", path)

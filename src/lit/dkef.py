@@ -35,6 +35,8 @@ FINAL_REFIT_KEYS = ("lambda_steps", "lr")
 
 
 class DKEFLitModule(ScoreMatchingModule):
+    family = "dkef"
+
     def __init__(
         self,
         input_dim: int,
@@ -63,7 +65,7 @@ class DKEFLitModule(ScoreMatchingModule):
                 "loss=mle needs a model with a tractable likelihood (model=nice); DKEF's normaliser is "
                 "intractable. Use loss=sm|ssm|ssm_vr|dsm|cp with model=dkef."
             )
-        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics)
+        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics, deq=deq)
         self.save_hyperparameters()
         self.alpha_refit_points = int(alpha_refit_points)
         self.final_refit = self._checked_final_refit(final_refit)
@@ -75,7 +77,7 @@ class DKEFLitModule(ScoreMatchingModule):
             raise ValueError(f"model.alpha_fit={alpha_fit!r} is invalid; valid: auto, {', '.join(ALPHA_FIT_MODES)}")
         self.alpha_fit = alpha_fit
         self.net = DKEF(
-            input_dim, deq=deq, depth=depth, n_kernels=n_kernels, n_inducing=n_inducing,
+            input_dim, deq=self.deq, depth=depth, n_kernels=n_kernels, n_inducing=n_inducing,
             feature_dim=feature_dim, hidden=hidden, deq_width=deq_width, log_lambda_init=log_lambda_init,
             q0_std=q0_std, exact_route=exact_route,
         )

@@ -11,7 +11,7 @@ base module's phantom-truncation warning for SSM-VR / SSM. Test: the ``noise_con
 (σ²-weighted DSM and SSM-VR losses per level and overall), ``fid`` (samples from
 :meth:`NCSNLitModule.sample`, EMA weights when EMA is on), and for a DEQ network ``test/deq_contraction_rate``
 (‖∂f/∂z‖₂ at the fixed point, one test image per noise level) and ``test/deq_forward_iterations``. Samples:
-annealed Langevin dynamics (:mod:`src.samplers.annealed_langevin`) from uniform noise; ``samples.png`` at the end of the test.
+annealed Langevin dynamics (:mod:`src.sampling.annealed_langevin`) from uniform noise; ``samples.png`` at the end of the test.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from src.lit.base import ScoreMatchingModule, batch_tensor
 from src.models.ncsn import NCSN, geometric_sigmas
 from src.objectives.conditional import noise_conditional
 from src.objectives.registry import get_objective
-from src.runs import progress
-from src.runs.rng import seeded_rng
-from src.samplers.annealed_langevin import UPDATES, annealed_langevin
+from src.runtime import progress
+from src.runtime.rng import seeded_rng
+from src.sampling.annealed_langevin import UPDATES, annealed_langevin
 
 TRAIN_LOSSES = ("dsm", "ssm_vr", "ssm")
 SAMPLING_DEFAULTS = {"n_steps_each": 100, "step_lr": 2e-5, "denoise": False, "update": "euler"}
@@ -36,6 +36,7 @@ VAL_CONTRACTION_POINTS = 16  # validation images for val/deq_contraction_rate (o
 
 
 class NCSNLitModule(ScoreMatchingModule):
+    family = "ncsn"
     default_loss, train_losses = "ssm_vr", TRAIN_LOSSES  # noise-conditional forms only
     ignored_loss_keys = ("sigma",)  # dsm: every sample's own noise level replaces the fixed sigma
     outputs_score = True  # s(x, i) directly: DSM has no derivative through the DEQ, SSM-VR's divergence has
@@ -64,7 +65,7 @@ class NCSNLitModule(ScoreMatchingModule):
         loss, deq, noise, sampling, optimizer, metrics = (
             plain(c) for c in (loss, deq, noise, sampling, optimizer, metrics))
         super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
-                         loss=loss)
+                         loss=loss, deq=deq if arch == "deq" else None)  # refinenet has no DEQ: ignores deq
         self.save_hyperparameters()
         self.anneal_power = float(anneal_power)
         noise = {"sigma_begin": 1.0, "sigma_end": 0.01, "num_classes": 10, **(noise or {})}
@@ -73,7 +74,7 @@ class NCSNLitModule(ScoreMatchingModule):
             raise ValueError(f"pixel_range={pixel_range!r}: unit | symmetric")
         self.pixel_range = pixel_range
         self.data_shape = tuple(int(s) for s in data_shape)
-        self.net = NCSN(self.data_shape[0], sigmas, arch=arch, ngf=ngf, deq=deq, depth=depth,
+        self.net = NCSN(self.data_shape[0], sigmas, arch=arch, ngf=ngf, deq=self.deq, depth=depth,
                         centered_input=pixel_range == "unit", conditioning=conditioning)
         unknown = set(sampling or {}) - set(SAMPLING_DEFAULTS)
         if unknown:
@@ -159,7 +160,7 @@ class NCSNLitModule(ScoreMatchingModule):
     # ------------------------------------------------------------------ samples
     def sample(self, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
         """Annealed Langevin dynamics (``model.sampling``) from uniform noise on the pixel range, shown as a
-        progress task of levels × steps (:mod:`src.runs.progress`; silent without a progress bar)."""
+        progress task of levels × steps (:mod:`src.runtime.progress`; silent without a progress bar)."""
         x0 = torch.rand((n, *self.data_shape), generator=generator, device=self.device, dtype=self.dtype)
         if self.pixel_range == "symmetric":
             x0 = 2 * x0 - 1

@@ -12,14 +12,16 @@ from collections.abc import Mapping
 
 import torch
 
-from src.config.deq import deq_setting, resolve_depth
 from src.config.values import plain
+from src.deq.config import resolve_depth
 from src.lit.base import ScoreMatchingModule
 from src.metrics.registry import metric_options
 from src.models.nice import NICE, deq_coupling_factory
 
 
 class NICELitModule(ScoreMatchingModule):
+    family = "nice"
+
     def __init__(
         self,
         input_dim: int,
@@ -35,13 +37,12 @@ class NICELitModule(ScoreMatchingModule):
     ):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
         loss, deq, optimizer, metrics = (plain(c) for c in (loss, deq, optimizer, metrics))
-        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics)
+        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics, deq=deq)
         self.save_hyperparameters()
         metric_options(metrics, "log_likelihood", {})  # the exact likelihood takes no options: refuse any
-        setting = deq_setting(deq, "nice")
-        depth = resolve_depth("nice", depth, setting)
-        if setting is not None:
-            factory = deq_coupling_factory(deq_width, setting, n_layers=depth)
+        depth = resolve_depth("nice", depth, self.deq)
+        if self.deq is not None:
+            factory = deq_coupling_factory(deq_width, self.deq, n_layers=depth)
             self.net = NICE(input_dim, n_couplings=n_couplings, coupling_net=factory)
         else:
             self.net = NICE(input_dim, n_couplings=n_couplings, hidden=hidden, mlp_layers=depth)

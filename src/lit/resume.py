@@ -1,11 +1,11 @@
 """Exact resume of every LightningModule: what a checkpoint holds beyond the weights, and putting it back.
 
-A checkpoint also holds the family's name, the RNG states (:mod:`src.runs.rng`) and each DEQ block's
+A checkpoint also holds the family's name, the RNG states (:mod:`src.runtime.rng`) and each DEQ block's
 warm-start fixed points, so a resumed run continues exactly; under DDP every rank's RNG streams, training-loader
 position and warm starts (:func:`gather_rank_states`), each given back to its own rank on resume
 (:func:`restore_rank_state`); non-finite states are refused at save time with
 the newest finite checkpoint named. Validation leaves the training RNG where it found it
-(:class:`src.runs.rng.EvaluationRngGuard`, added by ``configure_callbacks``).
+(:class:`src.runtime.rng.EvaluationRngGuard`, added by ``configure_callbacks``).
 
 :class:`ResumeHooksMixin` is mixed into :class:`src.lit.base.DeqsmModule`.
 """
@@ -15,15 +15,15 @@ from __future__ import annotations
 import logging
 
 from src.deq.lookup import blocks_of
-from src.runs.checkpoints import NonFiniteCheckpointError, newest_checkpoint, nonfinite_entries
-from src.runs.rng import EvaluationRngGuard, capture_rng_states, restore_rng_states
+from src.runtime.checkpoints import NonFiniteCheckpointError, newest_checkpoint, nonfinite_entries
+from src.runtime.rng import EvaluationRngGuard, capture_rng_states, restore_rng_states
 
 log = logging.getLogger(__name__)
 
 
 def rank_state(trainer, warm_start: dict) -> dict:
     """This rank's part of a checkpoint that differs between DDP ranks: its RNG streams
-    (:func:`~src.runs.rng.capture_rng_states`), its training loaders' positions (src.data.resumable) and its DEQ
+    (:func:`~src.runtime.rng.capture_rng_states`), its training loaders' positions (src.data.resumable) and its DEQ
     blocks' warm-start fixed points (of its own rows)."""
     loader = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
     loaders = loader._state_dicts() if loader is not None else []
@@ -72,7 +72,7 @@ class ResumeHooksMixin:
     """``on_save_checkpoint`` / ``on_load_checkpoint`` / ``on_train_start`` for an exact resume."""
 
     def configure_callbacks(self):
-        """:class:`~src.runs.rng.EvaluationRngGuard`: validation leaves the training RNG where it found it."""
+        """:class:`~src.runtime.rng.EvaluationRngGuard`: validation leaves the training RNG where it found it."""
         return [EvaluationRngGuard()]
 
     def _resume_hint(self) -> str:

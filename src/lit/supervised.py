@@ -4,7 +4,7 @@ Equilibrium Models on Expressivity and Learning Dynamics* (NeurIPS 2024).
 Training step = loss (``mse``, or ``half_sse`` = ½‖f(X) − y‖², Theorem 3's); validation logs ``val/mse`` and
 ``val/linf``; the test epoch gathers every prediction and sets ``self.test_results`` (``test/mse``, ``test/linf``,
 ``test/n_params``, ``test/weight_inf_norm``, ``test/deq_iterations``, ``test/flops_per_forward``) plus whatever
-the study's analysis (:mod:`src.studies.analysis`, ``analysis=<name>``) measures; the analysis writes its
+the study's analysis (:mod:`src.separation.analysis`, ``analysis=<name>``) measures; the analysis writes its
 figure into the run directory (``trainer.default_root_dir``).
 """
 
@@ -29,22 +29,25 @@ class SupervisedLitModule(DeqsmModule):
     as every family; its own validation/test hooks, because its metrics need every prediction at once
     (L∞ error, region counts, the study analyses)."""
 
+    family = "supervised"
+
     def __init__(self, input_dim: int, output_dim: int = 1, arch: str = "auto", deq: Mapping | None = None,
                  depth: int | None = None, width: int = 16, hidden: int | None = None, match: str | None = None,
                  activation: str = "relu", bias: bool = True, beta0: float = 1.0, alpha: float = 0.1,
                  construction: str | None = None, loss: str = "mse", optimizer: Mapping | None = None,
                  analysis: str | None = None, analysis_kwargs: Mapping | None = None):
-        super().__init__(optimizer=plain(optimizer))
+        deq = plain(deq)
+        # model.arch=deq is a DEQ whatever deq.enabled says: its keys are parsed all the same
+        super().__init__(optimizer=plain(optimizer), deq=deq, deq_enabled=True if arch == "deq" else None)
         if loss not in LOSSES:
             raise ValueError(f"model.loss={loss!r} is unknown; valid: {', '.join(LOSSES)}")
-        deq = plain(deq)
         self.save_hyperparameters()
-        self.net = build_supervised_net(int(input_dim), int(output_dim), arch=arch, deq=deq, depth=depth,
+        self.net = build_supervised_net(int(input_dim), int(output_dim), arch=arch, deq=self.deq, depth=depth,
                                         width=width, hidden=hidden, match=match, activation=activation, bias=bias,
                                         beta0=beta0, alpha=alpha)
         if construction == "theorem1":  # the hand-built DEQ of Theorem 1; an MLP (deq=false) ignores it
             from src.models.supervised import DEQNet
-            from src.studies.regions import load_theorem1
+            from src.separation.regions import load_theorem1
 
             if isinstance(self.net, DEQNet):
                 load_theorem1(self.net)
@@ -132,7 +135,7 @@ class SupervisedLitModule(DeqsmModule):
                "test/deq_iterations": iters, "test/flops_per_forward": forward_flops(self.net, iters)}
         trainer = getattr(self, "_trainer", None)
         if self.analysis and (trainer is None or trainer.is_global_zero):  # one figure writer under DDP
-            from src.studies.analysis import ANALYSES
+            from src.separation.analysis import ANALYSES
 
             out_dir = Path(getattr(trainer, "default_root_dir", None) or ".")
             dm = getattr(trainer, "datamodule", None) if trainer is not None else None

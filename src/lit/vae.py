@@ -29,7 +29,7 @@ from src.metrics.distributed import rank_share
 from src.metrics.registry import metric_options
 from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
 from src.objectives.ssm import ssm
-from src.runs import progress
+from src.runtime import progress
 
 # model.metrics.log_likelihood: AIS on the first test_points test points, its sampler's settings under ais
 AIS_DEFAULTS = {"n_steps": 1000, "n_chains": 16, "leapfrog": 10, "step_size": 0.05, "target_accept": 0.65,
@@ -44,6 +44,7 @@ class VAELitModule(DeqsmModule):
     (``gaussian``, the SSM reference's for the VAE, or ``null`` to keep ``loss.projection``) replaces the
     projection of ``loss=ssm|ssm_vr`` and is the one of the reported test SSM loss."""
 
+    family = "vae"
     outputs_score = True  # the score estimator s(z|x)
     # model.loss of the score estimator, the references' (the VAE's own ELBO is not configurable)
     default_loss = "ssm_vr"
@@ -88,7 +89,7 @@ class VAELitModule(DeqsmModule):
         loss, deq, optimizer, metrics = (plain(c) for c in (loss, deq, optimizer, metrics))
         image_shape = [int(s) for s in plain(image_shape)]
         super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
-                         loss=loss, loss_bound={"projection": projection})
+                         loss=loss, loss_bound={"projection": projection}, deq=deq)
         self.save_hyperparameters()
         self.automatic_optimization = False
         self.latent_dim, self.score_steps, self.n_samples_grid = int(latent_dim), int(score_steps), n_samples_grid
@@ -101,8 +102,8 @@ class VAELitModule(DeqsmModule):
                                        noise_dim=noise_dim)
         self.decoder = Decoder(image_shape, latent_dim, arch=arch, likelihood=likelihood, hidden=hidden,
                                channels=enc_channels, log_sigma=log_sigma, learn_sigma=learn_sigma)
-        self.score_net = ScoreEstimator(image_shape, latent_dim, arch=arch, channels=channels, depth=depth, deq=deq,
-                                       aug_init=aug_init)
+        self.score_net = ScoreEstimator(image_shape, latent_dim, arch=arch, channels=channels, depth=depth,
+                                       deq=self.deq, aug_init=aug_init)
         self.net = self.score_net
         self.projection = projection or self.loss_kwargs.get("projection", "rademacher")
         ll = metric_options(metrics, "log_likelihood", LOG_LIKELIHOOD_DEFAULTS) or LOG_LIKELIHOOD_DEFAULTS

@@ -8,7 +8,7 @@ from src.data.contract import ScoreDataModule
 from src.metrics.base import EvalMetric, MeanAndStderr
 from src.metrics.distributed import cap_points, rank_share, test_points_available
 from src.objectives.sm import sm as exact_sm
-from src.runs import progress
+from src.runtime import progress
 
 # the exact trace costs D backward passes per batch: above this dimension refuse unless asked explicitly
 EXACT_SM_MAX_DIM = 1024
@@ -22,7 +22,7 @@ class ExactSMLoss(EvalMetric):
     validation batch and on the whole test set — the point caps become ⌊budget / D⌋ (at least 1) where that is
     fewer, so one setting sizes the cost for any D (the quick evaluation preset uses it: at D = 784 a NICE point
     costs 784 backward passes through every coupling). ``<stage>/sm_loss_n_points`` records how many points
-    were used. The test points show as a progress task (:mod:`src.runs.progress`). Refuses D > ``max_dim`` (3072-d CIFAR-10 would cost 3072 backward passes
+    were used. The test points show as a progress task (:mod:`src.runtime.progress`). Refuses D > ``max_dim`` (3072-d CIFAR-10 would cost 3072 backward passes
     per batch): use a sliced or denoising test loss there, or raise ``max_dim`` knowingly.
     """
 

@@ -51,7 +51,7 @@ from torchmetrics.image.fid import FrechetInceptionDistance, _compute_fid
 from src.metrics.base import EvalMetric
 from src.metrics.distributed import gathered_rows
 from src.metrics.mnist_classifier import load_mnist_feature_extractor, sha256_file
-from src.runs import progress
+from src.runtime import progress
 
 KINDS = ("mnist", "inception")
 INCEPTION_FILE = "inception-2015-12-05.pt"
@@ -74,7 +74,7 @@ def _inception_help() -> str:
 
 def images_to_uint8(images: torch.Tensor) -> torch.Tensor:
     """Float images in [0, 1] → uint8 floor(255·x + ½) (clamped; NaN → 0): the quantisation
-    ``src.callbacks.samples.save_image_grid`` applies, so FID sees the pixels a saved PNG holds."""
+    ``src.sampling.grids.save_image_grid`` applies, so FID sees the pixels a saved PNG holds."""
     x = torch.nan_to_num(images.float(), nan=0.0).clamp(0.0, 1.0)
     return x.mul(255.0).add(0.5).floor().to(torch.uint8)
 

@@ -7,8 +7,8 @@ from torch import nn
 
 from src.metrics.base import EvalMetric, MeanAndStderr
 from src.metrics.distributed import cap_points, rank_share, test_points_available
-from src.runs import progress
-from src.runs.rng import seeded_rng
+from src.runtime import progress
+from src.runtime.rng import seeded_rng
 
 
 class NoiseConditionalLosses(EvalMetric):

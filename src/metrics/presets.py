@@ -22,7 +22,7 @@ that preset into ``cfg.eval`` itself (so ``eval.settings.*`` can be overridden);
 the two it may choose through its defaults list, as ``cfg.eval.presets.quick`` and ``cfg.eval.presets.standard``
 (:func:`preset_of`). A run directory written before that (its ``.hydra/config.yaml`` has ``eval: {name: auto,
 quick_max_steps: …}`` and no ``presets``) is still evaluated: the preset is composed by Hydra from this version's
-config groups, as the run itself then loaded it, and the start-up log says so.
+config groups, as the run itself then loaded it (:mod:`src.config.old_runs`), and the start-up log says so.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf, open_dict
+
+from src.config.old_runs import composed_preset
 
 log = logging.getLogger(__name__)
 
@@ -46,22 +48,10 @@ def check_preset_name(name: str) -> None:
         raise ValueError(f"eval={name!r} is not an evaluation preset; valid: auto, {', '.join(PRESETS)}")
 
 
-def composed_preset(name: str) -> DictConfig:
-    """The preset ``name`` as Hydra composes ``eval=<name>`` from the config groups of this version (the
-    fallback for a run config written before eval=auto composed its presets)."""
-    from hydra import compose, initialize
-    from hydra.core.global_hydra import GlobalHydra
-
-    if GlobalHydra.instance().is_initialized():  # inside a Hydra app: its own config search path
-        return compose(config_name="train", overrides=[f"eval={name}"]).eval
-    with initialize(config_path="../../conf", version_base="1.3"):
-        return compose(config_name="train", overrides=[f"eval={name}"]).eval
-
-
 def preset_of(cfg: DictConfig, name: str) -> DictConfig:
     """The preset ``name`` (one of :data:`PRESETS`) as composed into ``cfg.eval``: ``cfg.eval`` itself for
     ``eval=<name>``, ``cfg.eval.presets.<name>`` for ``eval=auto``; for a run config of an older version that
-    lacks them, :func:`composed_preset` (logged)."""
+    lacks them, :func:`src.config.old_runs.composed_preset` (logged)."""
     check_preset_name(name)
     ev = cfg.get("eval")
     if ev is not None and ev.get("name") == name and "settings" in ev:

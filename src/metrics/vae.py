@@ -20,7 +20,7 @@ import torch
 
 from src.metrics.base import EvalMetric, MeanAndStderr
 from src.metrics.distributed import rank_share
-from src.runs.rng import seeded_rng
+from src.runtime.rng import seeded_rng
 
 
 class VAEMetrics(EvalMetric):

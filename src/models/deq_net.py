@@ -6,7 +6,8 @@
 ``kind="dense"`` (DKEF feature networks, NICE couplings) uses :class:`src.deq.block.DenseDEQBlock` with
 ``n_layers`` dense layers inside f; ``kind="conv"`` (image models) a :class:`src.deq.block.ConvDEQBlock`
 with a convolutional injection and a 1×1 convolutional read-out. A family's defaults (the ``depth`` key, the
-``deq.injection`` key) are resolved in :mod:`src.config.deq`.
+``deq.injection`` key) are resolved in :mod:`src.deq.config`; the networks take the setting parsed there (a
+:class:`~src.deq.config.DEQConfig`) and parse nothing.
 
 **The injection.** App. D.1/D.2 say the injection is "a single layer MLP with Softplus". In the paper's
 authors' code that Softplus is *the* nonlinearity of a one-hidden-layer network: their fixed point is
@@ -21,15 +22,12 @@ R·σ(σ(Ux + b))), which on NICE costs ≈ 600 nats of test log-likelihood (ben
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 from torch import nn
 
-from src.config.deq import block_config, injections, resolve_injection
-from src.config.values import plain
+from src.deq import block as blocks
+from src.deq.config import INJECTIONS, DEQConfig, resolve_injection
+from src.deq.maps import ACTIVATIONS
 
 KINDS = ("dense", "conv")
 
@@ -46,7 +44,7 @@ def make_injection(kind: str, injection: str, in_features: int, width: int, kern
         return layer
     if injection == "softplus":
         return nn.Sequential(layer, nn.Softplus())
-    raise ValueError(f"injection={injection!r} is unknown; valid: {', '.join(injections())}")
+    raise ValueError(f"injection={injection!r} is unknown; valid: {', '.join(INJECTIONS)}")
 
 
 class DEQNet(nn.Module):
@@ -54,25 +52,23 @@ class DEQNet(nn.Module):
 
     ``kind="dense"``: ``[B, in_features] → [B, out_features]``, ``n_layers`` dense layers inside f.
     ``kind="conv"``: ``[B, C_in, H, W] → [B, out_features, H, W]``, f a ``kernel_size`` convolution,
-    R (and S) 1×1 convolutions. ``deq`` is the ``deq`` config group (mapping: its solver keys,
-    :func:`src.config.deq.block_config`), a ``DEQConfig`` or None (the defaults); ``injection``
-    overrides its ``injection`` key; ``family`` resolves a ``None`` injection to that family's default.
+    R (and S) 1×1 convolutions. ``deq`` is the block's setting, a ``DEQConfig`` (parsed where the module is
+    built, :mod:`src.deq.config`) or None (the defaults); ``injection`` overrides its ``injection`` key;
+    ``family`` resolves a ``None`` injection to that family's default.
     ``activation`` σ of the dense map (Softplus, or ReLU / identity for the supervised studies).
     """
 
-    def __init__(self, in_features: int, out_features: int, width: int, *, deq: Any = None,
+    def __init__(self, in_features: int, out_features: int, width: int, *, deq: DEQConfig | None = None,
                  injection: str | None = None, family: str = "nice", n_layers: int = 1, kind: str = "dense",
                  skip: bool = False, kernel_size: int = 3, name: str = "deq", activation: str = "softplus"):
         super().__init__()
-        blocks = importlib.import_module("src.deq.block")  # lazy: src.models stays importable without src.deq
-        if activation != "softplus":  # (the default needs no check, nor an import of src.deq.maps)
-            activations = importlib.import_module("src.deq.maps").ACTIVATIONS
-            if activation not in activations:
-                raise ValueError(f"activation={activation!r}: a DEQ block takes one of {', '.join(activations)}")
+        if activation != "softplus":
+            if activation not in ACTIVATIONS:
+                raise ValueError(f"activation={activation!r}: a DEQ block takes one of {', '.join(ACTIVATIONS)}")
             if kind == "conv":
                 raise ValueError(f"activation={activation!r}: conv DEQ maps use Softplus")
 
-        config = block_config(deq, family)
+        config = deq if deq is not None else DEQConfig()
         self.injection_kind = resolve_injection(family, injection if injection is not None else config.injection)
         if int(width) < 1 or int(n_layers) < 1:
             raise ValueError(f"width and n_layers must be >= 1, got width={width}, n_layers={n_layers}")
@@ -108,20 +104,17 @@ class DEQNetFactory:
     """Picklable factory ``(in_features, out_features) -> DEQNet`` (no lambdas or closures: DDP pickles).
 
     The k-th network built is named ``f"{name}.{k}"`` (solver statistics are reported per block name).
-    ``deq`` is kept as a plain dict (or ``DEQConfig``) and ``src.deq`` is imported only when a network is built.
+    ``deq``: the blocks' setting, a ``DEQConfig`` (or None: the defaults).
     """
 
-    def __init__(self, width: int, deq: Any = None, *, n_layers: int = 1, family: str = "nice",
+    def __init__(self, width: int, deq: DEQConfig | None = None, *, n_layers: int = 1, family: str = "nice",
                  injection: str | None = None, kind: str = "dense", skip: bool = False, kernel_size: int = 3,
                  name: str = "deq"):
         if int(width) < 1 or int(n_layers) < 1:
             raise ValueError(f"width and n_layers must be >= 1, got width={width}, n_layers={n_layers}")
         self.width, self.n_layers = int(width), int(n_layers)
-        self.deq_config = plain(deq)  # parsed (block_config) when a network is built: src.deq is imported then
-        raw = injection if injection is not None else (
-            self.deq_config.get("injection") if isinstance(self.deq_config, Mapping)
-            else getattr(self.deq_config, "injection", None))
-        self.injection = resolve_injection(family, raw)
+        self.deq_config = deq
+        self.injection = resolve_injection(family, injection if injection is not None else getattr(deq, "injection", None))
         self.family, self.kind, self.skip, self.kernel_size, self.name = family, kind, bool(skip), kernel_size, name
         self._built = 0
 

@@ -34,13 +34,13 @@ tests/test_dkef_fast_trace.py) at a fraction of their cost at high D (benchmarks
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from contextlib import contextmanager
 
 import torch
 from torch import nn
 from torch.profiler import record_function
 
+from src.deq.config import DEQConfig
 from src.models.directional import directional_derivatives
 from src.models.feature_jets import feature_jet, supports_jet
 from src.models.features import build_feature_net
@@ -82,7 +82,7 @@ class DKEF(nn.Module):
         self,
         input_dim: int,
         *,
-        deq: Mapping | None = None,
+        deq: DEQConfig | None = None,
         depth: int | None = None,
         n_kernels: int = 3,
         n_inducing: int = 200,

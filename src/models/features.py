@@ -10,12 +10,10 @@ here), followed by the same linear read-out and skip. Both are built by :mod:`sr
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-
 import torch
 from torch import nn
 
-from src.config.deq import deq_setting, resolve_depth
+from src.deq.config import DEQConfig, resolve_depth
 from src.models.deq_net import DEQNet
 
 
@@ -48,7 +46,7 @@ class MLPFeatures(nn.Module):
         return out + self.skip(x) if self.skip is not None else out
 
 
-def DEQFeatures(in_dim: int, out_dim: int, width: int = 64, n_layers: int = 1, deq: Mapping | None = None,
+def DEQFeatures(in_dim: int, out_dim: int, width: int = 64, n_layers: int = 1, deq: DEQConfig | None = None,
                 skip: bool = True, name: str = "deq", injection: str | None = None) -> DEQNet:
     """One dense DEQ block between the input injection and a linear read-out, plus the skip (App. D.1):
     :class:`src.models.deq_net.DEQNet` with the DKEF family's defaults. ``n_layers`` = layers inside f."""
@@ -60,21 +58,21 @@ def build_feature_net(
     in_dim: int,
     out_dim: int,
     *,
-    deq: Mapping | None,
+    deq: DEQConfig | None,
     depth: int | None,
     hidden: int = 30,
     deq_width: int = 64,
     skip: bool = True,
     name: str = "deq",
 ) -> nn.Module:
-    """Feature network selected by the ``deq`` and ``depth`` config keys.
+    """Feature network selected by the DEQ setting and the ``depth`` key.
 
     ``depth`` counts explicit dense layers with ``deq=false`` (default 3) and layers inside the
     DEQ's f with ``deq=true`` (default 1), so every point of a ``deq x depth`` sweep is a valid model
-    (:func:`src.config.deq.resolve_depth`); ``deq`` is parsed by :func:`src.config.deq.deq_setting`.
+    (:func:`src.deq.config.resolve_depth`); ``deq`` is the parsed setting (:mod:`src.deq.config`): a
+    ``DEQConfig``, or None for explicit layers.
     """
-    setting = deq_setting(deq, "dkef")
-    depth = resolve_depth("dkef", depth, setting)
-    if setting is not None:
-        return DEQFeatures(in_dim, out_dim, width=deq_width, n_layers=int(depth), deq=setting, skip=skip, name=name)
+    depth = resolve_depth("dkef", depth, deq)
+    if deq is not None:
+        return DEQFeatures(in_dim, out_dim, width=deq_width, n_layers=int(depth), deq=deq, skip=skip, name=name)
     return MLPFeatures(in_dim, out_dim, hidden=hidden, depth=int(depth), skip=skip)

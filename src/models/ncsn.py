@@ -31,15 +31,14 @@ At ngf = 128 on CIFAR-10 the paper lists 28M parameters for NCSN and 9M for DEQ-
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.config.deq import deq_setting, resolve_depth
 from src.deq.block import ConditionalResidualDEQBlock, NormalizedResidualDEQBlock, ResidualDEQBlock
-from src.deq.config import DEQConfig
+from src.deq.config import DEQConfig, resolve_depth
 from src.layers.instance_norm import norm_act
 
 ARCHS = ("refinenet", "deq")
@@ -247,7 +246,7 @@ class DEQResBlock(nn.Module):
     ``num_classes`` labels: the noise level enters h as map parameters
     (:class:`src.deq.block.ConditionalResidualDEQBlock`); None (σ-scaled conditioning): h has no per-level
     parameters (:class:`src.deq.block.ResidualDEQBlock`), called with the labels all the same. ``config`` is the
-    ``deq`` setting :class:`NCSN` parsed, once (:func:`src.config.deq.deq_setting`)."""
+    run's DEQ setting, parsed once where the module was built (:mod:`src.deq.config`)."""
 
     def __init__(self, channels: int, num_classes: int | None, config: DEQConfig, name: str = "ncsn.deq"):
         super().__init__()
@@ -266,9 +265,9 @@ class NCSN(nn.Module):
     """Noise-conditional score network ``score(x, labels)`` = net(2x − 1, labels) / σ_labels (see module doc).
 
     ``sigmas`` (the L noise levels, σ₁ > … > σ_L) are a buffer of the network, so samplers and losses read
-    them from the model. ``arch``: ``refinenet`` | ``deq``; ``deq`` (the config group, mapping) with
-    ``enabled`` true puts the DEQ-ResBlock in the ``deq`` architecture, else ``depth`` ResBlocks
-    (``refinenet`` has no DEQ and ignores ``deq`` and ``depth``).
+    them from the model. ``arch``: ``refinenet`` | ``deq``; ``deq`` (the parsed DEQ setting, a ``DEQConfig``)
+    puts the DEQ-ResBlock in the ``deq`` architecture, None ``depth`` ResBlocks (``refinenet`` has no DEQ and
+    ignores ``deq`` and ``depth``).
 
     ``conditioning``: how the noise level enters —
 
@@ -281,7 +280,7 @@ class NCSN(nn.Module):
     """
 
     def __init__(self, channels: int, sigmas: Sequence[float] | torch.Tensor, arch: str = "deq", ngf: int = 64,
-                 deq: Mapping | None = None, depth: int | None = None, centered_input: bool = True,
+                 deq: DEQConfig | None = None, depth: int | None = None, centered_input: bool = True,
                  conditioning: str = "cond_norm"):
         super().__init__()
         if arch not in ARCHS:
@@ -297,7 +296,7 @@ class NCSN(nn.Module):
         self.arch, self.ngf, self.centered_input = arch, int(ngf), bool(centered_input)
         self.num_classes = sig.numel()
         n = self.num_classes if conditioning == "cond_norm" else None  # what the blocks are conditioned on
-        setting = deq_setting(deq, "ncsn") if arch == "deq" else None
+        setting = deq if arch == "deq" else None
         self.deq_enabled = setting is not None
         c1, c2 = self.ngf, 2 * self.ngf
         self.begin = conv3x3(channels, c1)

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
 
 import torch
 from torch import nn
 
+from src.deq.config import DEQConfig
 from src.models.deq_net import DEQNetFactory
 from src.models.features import mlp
 
@@ -57,19 +57,18 @@ class DEQCouplingFactory(DEQNetFactory):
     ``injection g → DenseDEQBlock(width, n_layers) → Linear(width, out_dim)``, no skip, with the NICE family's
     defaults (``deq.injection: null`` → linear). Blocks are named ``f"{name}.{k}"`` for the k-th call."""
 
-    def __init__(self, width: int, deq_config: Any = None, n_layers: int = 1, name: str = "nice.coupling",
+    def __init__(self, width: int, deq_config: DEQConfig | None = None, n_layers: int = 1, name: str = "nice.coupling",
                  injection: str | None = None):
         super().__init__(width, deq_config, n_layers=n_layers, family="nice", injection=injection, kind="dense",
                          skip=False, name=name)
 
 
-def deq_coupling_factory(width: int, deq_config: Any = None, n_layers: int = 1,
+def deq_coupling_factory(width: int, deq_config: DEQConfig | None = None, n_layers: int = 1,
                          injection: str | None = None) -> DEQCouplingFactory:
     """Factory for ``NICE(coupling_net=...)``: each coupling MLP becomes one dense DEQ block ``width`` wide.
 
-    ``deq_config`` is a ``src.deq.config.DEQConfig`` or a mapping of its fields (the ``deq`` config group;
-    its ``enabled`` key is ignored, its ``injection`` key picks g). ``src.deq`` is imported only when a
-    coupling is built.
+    ``deq_config`` is the blocks' setting, a :class:`src.deq.config.DEQConfig` (its ``injection`` key picks g),
+    or None for the defaults.
     """
     return DEQCouplingFactory(width, deq_config, n_layers=n_layers, injection=injection)
 

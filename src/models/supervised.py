@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from src.config.deq import block_config, deq_setting, resolve_depth
+from src.deq.config import DEQConfig, resolve_depth
 from src.models.deq_net import DEQNet
 
 ARCHS = ("auto", "mlp", "deq", "diag_deq", "diag_net")
@@ -113,24 +112,24 @@ class DiagonalLinearNet(nn.Module):
         return out + self.bias if self.bias is not None else out
 
 
-def build_supervised_net(in_dim: int, out_dim: int = 1, *, arch: str = "auto", deq: Mapping | None = None,
+def build_supervised_net(in_dim: int, out_dim: int = 1, *, arch: str = "auto", deq: DEQConfig | None = None,
                          depth: int | None = None, width: int = 16, hidden: int | None = None,
                          match: str | None = None, activation: str = "relu", bias: bool = True,
                          beta0: float = 1.0, alpha: float = 0.1) -> nn.Module:
     """The net the config asks for. ``arch=auto``: a DEQ with ``deq=true`` else an MLP. For the MLP the hidden
     width is ``hidden``, or matched to the DEQ of width ``width`` (depth 1): ``match=params`` (equal parameter
-    count), ``match=neurons`` (``width`` hidden neurons spread over the depth − 1 hidden layers)."""
+    count), ``match=neurons`` (``width`` hidden neurons spread over the depth − 1 hidden layers). ``deq``: the
+    parsed DEQ setting (a ``DEQConfig``, or None: explicit layers; ``arch=deq`` with None: the default keys)."""
     if arch not in ARCHS:
         raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
-    setting = deq_setting(deq, "supervised")
     if arch == "auto":
-        arch = "deq" if setting is not None else "mlp"
+        arch = "deq" if deq is not None else "mlp"
     if arch == "diag_deq":
         return DiagonalLinearDEQ(in_dim, bias=bias, beta0=beta0)
     if arch == "diag_net":
         return DiagonalLinearNet(in_dim, bias=bias, alpha=alpha)
-    if arch == "deq":  # a DEQ whether or not deq.enabled: its keys, parsed once and handed down
-        config = setting if setting is not None else block_config(deq, "supervised")
+    if arch == "deq":  # a DEQ whether or not deq.enabled (the module parsed its keys all the same)
+        config = deq if deq is not None else DEQConfig()
         return DEQNet(in_dim, out_dim, int(width), deq=config, family="supervised",
                       n_layers=resolve_depth("supervised", depth, config), activation=activation)
     depth = resolve_depth("supervised", depth, None)

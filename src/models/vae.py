@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from src.config.deq import deq_setting, resolve_depth
 from src.deq.block import ConvDEQBlock, DenseDEQBlock
+from src.deq.config import DEQConfig, resolve_depth
 from src.models.deq_net import make_injection
 
 ARCHS = ("mlp", "conv")
@@ -180,17 +180,17 @@ class ScoreEstimator(nn.Module):
 
     ``depth`` k explicit stride-1 layers (conv: 5×5, m channels; mlp: dense, m units), Softplus, when
     ``deq`` is disabled; one DEQ block (conv: ``ConvDEQBlock`` 5×5; mlp: ``DenseDEQBlock``) with a linear
-    injection when it is enabled. ``deq`` is the ``deq`` config group, parsed by :func:`src.config.deq.deq_setting`; ``depth`` follows
-    :data:`src.config.deq.DEPTH_RULES` (``vae``).
+    injection when it is enabled. ``deq`` is the parsed DEQ setting (:mod:`src.deq.config`: a ``DEQConfig``,
+    or None for explicit layers); ``depth`` follows :data:`src.deq.config.DEPTH_RULES` (``vae``).
     ``aug_init``: ``kaiming`` (default, :func:`init_aug_layers`) or ``torch`` (PyTorch's default) for those k
     explicit layers."""
 
     def __init__(self, image_shape, latent_dim: int, arch: str = "mlp", channels: int = 32, depth: int | None = None,
-                 deq=None, n_down: int | None = None, aug_init: str = "kaiming"):
+                 deq: DEQConfig | None = None, n_down: int | None = None, aug_init: str = "kaiming"):
         super().__init__()
         if aug_init not in AUG_INITS:
             raise ValueError(f"model.aug_init={aug_init!r} is unknown; valid: {', '.join(AUG_INITS)}")
-        config = deq_setting(deq, "vae")
+        config = deq
         self.deq_enabled = config is not None
         self.depth = resolve_depth("vae", depth, config)
         self.image_shape, self.latent_dim, self.arch, self.m = tuple(image_shape), int(latent_dim), arch, int(channels)

@@ -1,28 +1,27 @@
 """Failed trials of an Optuna sweep (``hparams_search=…``): the sweep goes on and says which failed and why.
 
 Hydra's Optuna sweeper marks a trial FAILED when its job raised (``src.train`` raises when the run never logged
-``optimized_metric``: :class:`src.train.OptimizedMetricNotLogged`) and, with ``hydra.sweeper.max_failure_rate``
-at 1.0 (conf/hparams_search/), asks for the next trial. What it does not do is say at the end which trials
-failed, and when none completed it dies in ``study.best_trial`` with Optuna's "No trials are completed yet".
-:func:`install` wraps ``OptunaSweeperImpl.sweep`` (Hydra plugins must live in the ``hydra_plugins`` package,
-so this is a wrapper, not a sweeper of our own): every job's return is collected, and at the end
+``optimized_metric``: :class:`src.runs.training.OptimizedMetricNotLogged`) and, with
+``hydra.sweeper.max_failure_rate`` at 1.0 (conf/hparams_search/), asks for the next trial. What it does not do is
+say at the end which trials failed, and when none completed it dies in ``study.best_trial`` with Optuna's "No
+trials are completed yet". :class:`FailedTrialsReport`, a Hydra callback (Hydra's public hook,
+``hydra.callbacks`` in conf/hparams_search/dkef_optuna.yaml), collects every job's return as the job ends, and
 
-- the failed trials (job number, its overrides, the one-line reason) are logged and written to
-  ``<sweep dir>/failed_trials.yaml`` (the fixed command-line overrides are left out);
-- when no trial completed, ``<sweep dir>/optimization_results.yaml`` says so (``best_params: null``) and the
-  sweep ends with :class:`NoTrialCompleted` (exit status 1), one line naming the count and the first reason.
-
-Installed by ``src.train`` on import; a no-op when the Optuna sweeper plugin is not installed.
+- at the end of the sweep the failed trials (job number, its overrides, the one-line reason) are logged and written
+  to ``<sweep dir>/failed_trials.yaml`` (the fixed command-line overrides are left out);
+- when the sweep's last trial ends and no trial completed, ``<sweep dir>/optimization_results.yaml`` says so
+  (``best_params: null``) and the sweep ends there with :class:`NoTrialCompleted` (exit status 1), one line naming
+  the count and the first reason, before the sweeper would ask Optuna for a best trial that does not exist.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from pathlib import Path
 
+from hydra.experimental.callback import Callback
+
 log = logging.getLogger(__name__)
-_INSTALLED = False
 
 
 class NoTrialCompleted(SystemExit):
@@ -70,45 +69,36 @@ def summarise(returns: list, sweep_dir: str | Path, arguments: list[str] = ()) -
     return failed
 
 
-def install() -> None:
-    """Wrap the Optuna sweeper (see the module docstring); idempotent."""
-    global _INSTALLED
-    if _INSTALLED:
-        return
-    try:
-        from hydra_plugins.hydra_optuna_sweeper._impl import OptunaSweeperImpl
-    except ImportError:
-        return
-    original = OptunaSweeperImpl.sweep
+class FailedTrialsReport(Callback):
+    """The Hydra callback of an Optuna sweep (see the module docstring): every trial's return, the failed ones
+    reported at the end, and a sweep in which no trial completed ended in one line."""
 
-    @functools.wraps(original)
-    def sweep(self, arguments):
-        returns: list = []
-        launch = self.launcher.launch
+    def __init__(self) -> None:
+        self.returns: list = []
+        self.sweep_dir: Path | None = None
+        self.arguments: list[str] = []
+        self.n_trials: int | None = None
 
-        def launch_and_keep(*args, **kwargs):
-            out = launch(*args, **kwargs)
-            returns.extend(out)
-            return out
+    def on_multirun_start(self, config, **kwargs) -> None:
+        self.returns = []
+        self.sweep_dir = Path(config.hydra.sweep.dir)
+        self.arguments = [str(o) for o in config.hydra.overrides.task]
+        n_trials = config.hydra.sweeper.get("n_trials")
+        self.n_trials = int(n_trials) if n_trials is not None else None
 
-        self.launcher.launch = launch_and_keep
-        sweep_dir = Path(self.config.hydra.sweep.dir)
-        try:
-            original(self, arguments)
-        except ValueError as exc:
-            if "No trials are completed yet" not in str(exc):
-                raise
-            failed = summarise(returns, sweep_dir, arguments)
+    def on_job_end(self, config, job_return, **kwargs) -> None:
+        if self.sweep_dir is None:  # not a sweep (a single run with this callback configured)
+            return
+        self.returns.append(job_return)
+        if len(self.returns) == self.n_trials and all(failure_reason(r) is not None for r in self.returns):
+            failed = summarise(self.returns, self.sweep_dir, self.arguments)
             from omegaconf import OmegaConf
 
             OmegaConf.save(OmegaConf.create({"name": "optuna", "best_params": None, "best_value": None,
-                                             "n_failed": len(failed)}), sweep_dir / "optimization_results.yaml")
-            first = failed[0]["reason"] if failed else "no trial ran"
-            raise NoTrialCompleted(f"no trial of the sweep completed: all {len(returns)} failed (reasons in "
-                                   f"{sweep_dir / 'failed_trials.yaml'}); trial 0: {first}") from None
-        finally:
-            self.launcher.launch = launch
-        summarise(returns, sweep_dir, arguments)
+                                             "n_failed": len(failed)}), self.sweep_dir / "optimization_results.yaml")
+            raise NoTrialCompleted(f"no trial of the sweep completed: all {len(self.returns)} failed (reasons in "
+                                   f"{self.sweep_dir / 'failed_trials.yaml'}); trial 0: {failed[0]['reason']}")
 
-    OptunaSweeperImpl.sweep = sweep
-    _INSTALLED = True
+    def on_multirun_end(self, config, **kwargs) -> None:
+        if self.sweep_dir is not None:
+            summarise(self.returns, self.sweep_dir, self.arguments)

@@ -10,7 +10,8 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
-from src.config.deq import deq_setting, family_of, resolve_depth
+from src.config.family_data import family_of
+from src.deq.config import run_depth
 from src.reports.tables import (
     figure,
     format_summary,
@@ -115,9 +116,8 @@ def plot(jobs: list[dict], out: Path) -> list[Path]:
         saved = m.get("profile/saved_bytes_mean")
         if saved is None:
             continue
-        setting = deq_setting(cfg.get("deq"))
-        depth = resolve_depth(family_of(cfg) or "dkef", cfg.get("depth"), setting)  # the run's own default
-        (implicit if setting is not None else explicit)[depth].append(saved / 1e6)
+        depth, ran_deq = run_depth(cfg, family_of(cfg) or "dkef")  # the run's own default
+        (implicit if ran_deq else explicit)[depth].append(saved / 1e6)
     memory = out / "memory_vs_depth.png"
     with figure(memory) as (_, axes):
         ax = axes[0][0]

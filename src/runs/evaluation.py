@@ -15,10 +15,10 @@ import lightning.pytorch as L
 from hydra.utils import instantiate
 
 from src.metrics.presets import apply_eval_preset
-from src.runs.atomic import write_json_atomic
-from src.runs.checkpoints import AtomicCheckpointIO, check_matches_model
-from src.runs.environment import print_metrics, set_float_environment
 from src.runs.load import run_of_checkpoint
+from src.runtime.atomic import write_json_atomic
+from src.runtime.checkpoints import AtomicCheckpointIO, check_matches_model
+from src.runtime.environment import print_metrics, set_float_environment
 
 
 def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None, trust: bool = False) -> dict[str, Any]:

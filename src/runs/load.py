@@ -1,8 +1,8 @@
 """Load a trained run: the one home of checkpoint → run config → module.
 
 A run directory (``src.train``'s) holds ``.hydra/config.yaml`` and ``checkpoints/``. :func:`run_of_checkpoint`
-checks the checkpoint file (:mod:`src.runs.checkpoints`), finds and reads the run's composed config (moved keys
-refused, :mod:`src.config.moved_keys`), merges command-line overrides and applies the trust policy
+checks the checkpoint file (:mod:`src.runtime.checkpoints`), finds and reads the run's composed config (an older
+run's read back as today's, :mod:`src.config.old_runs`), merges command-line overrides and applies the trust policy
 (:func:`check_targets`: only deqsm classes are built from a run's config unless the user trusts it);
 :func:`load_module` builds the LightningModule and its data module and loads the weights, weights-only unless
 trusted (:func:`parse_trust` reads ``trust_checkpoint=true|false``). ``src.evaluate``, ``src.sample`` and the
@@ -17,15 +17,15 @@ import lightning.pytorch as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.config.moved_keys import moved_override_message, refuse_moved_keys
-from src.runs.checkpoints import (
+from src.config.old_runs import clear_stale_norm_of_normalized_block
+from src.runtime.checkpoints import (
     TRUST_HINT,
     UnsafeCheckpointError,
     check_checkpoint_file,
     check_matches_model,
     load_checked,
 )
-from src.runs.environment import set_float_environment
+from src.runtime.environment import set_float_environment
 
 
 def find_run_config(ckpt: Path) -> Path:
@@ -63,17 +63,6 @@ def check_targets(cfg: DictConfig, cfg_path: Path, trust: bool = False) -> None:
                 stack += [(f"{where}[{i}]", v) for i, v in enumerate(value)]
 
 
-def clear_stale_norm_of_normalized_block(cfg: DictConfig) -> None:
-    """Runs of ``deq.block=normalized_residual`` saved while ``deq.norm`` / ``deq.norm_lambda`` defaulted to
-    frobenius / 2 store those defaults, which that block never used and now refuses (``src.deq.config``): read
-    them as unset. Any other stored value was an override the block ignored — left, so that loading says so."""
-    model = cfg.get("model")
-    for deq in (cfg.get("deq"), model.get("deq") if isinstance(model, DictConfig) else None):
-        if (isinstance(deq, DictConfig) and deq.get("block") == "normalized_residual"
-                and deq.get("norm") == "frobenius" and deq.get("norm_lambda") in (2, 2.0)):
-            deq.norm = deq.norm_lambda = None
-
-
 def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None,
                       trust: bool = False) -> tuple[Path, DictConfig, Path]:
     """The checkpoint (its file checked), its run's composed config with ``overrides`` merged (its targets
@@ -85,12 +74,8 @@ def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None,
     run_dir = cfg_path.parent.parent
     # paths.output_dir holds a ${hydra:...} interpolation when composed by Hydra: pin it to the run dir
     cfg.paths.output_dir = str(run_dir)
-    refuse_moved_keys(cfg, f"run config {cfg_path} (of an older version: rename the key there)")
-    clear_stale_norm_of_normalized_block(cfg)
+    clear_stale_norm_of_normalized_block(cfg)  # a run of an older deqsm (src.config.old_runs)
     if overrides:
-        message = moved_override_message(o.split("=", 1)[0] for o in overrides)
-        if message is not None:
-            raise ValueError(message)
         extra = OmegaConf.from_dotlist(overrides)
         for key in extra:
             if isinstance(cfg.get(key), DictConfig) and not isinstance(extra[key], DictConfig):

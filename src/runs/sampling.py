@@ -7,8 +7,8 @@ from pathlib import Path
 
 import torch
 
-from src.callbacks.samples import save_image_grid
 from src.runs.load import load_module
+from src.sampling.grids import save_image_grid
 
 
 def sample_from_checkpoint(ckpt_path: str | Path, n: int = 64, seed: int = 0, out: str | Path | None = None,

@@ -24,21 +24,17 @@ from src.callbacks.checkpoint import LastCheckpoint
 from src.callbacks.ema import check_resume
 from src.callbacks.memory_estimate import MemoryEstimate
 from src.callbacks.profiling import ProfilingCallback
-from src.config.deq import deq_setting, family_of
 from src.config.family_data import check_family_data
 from src.metrics.presets import apply_eval_preset
-from src.reports.optuna_sweep import install as _install_sweep_report
-from src.runs.atomic import write_json_atomic
 from src.runs.build import build
-from src.runs.checkpoints import (
+from src.runtime.atomic import write_json_atomic
+from src.runtime.checkpoints import (
     AtomicCheckpointIO,
     check_checkpoint_file,
     check_matches_model,
     remove_stale_temporaries,
 )
-from src.runs.environment import print_metrics, set_float_environment
-
-_install_sweep_report()  # an Optuna sweep reports its failed trials and goes on (src/reports/optuna_sweep.py)
+from src.runtime.environment import print_metrics, set_float_environment
 
 log = logging.getLogger(__name__)
 
@@ -50,19 +46,12 @@ def _instantiate_group(group: DictConfig | None) -> list:
 
 
 def validate_config(cfg: DictConfig) -> None:
-    """Start-up checks that turn an impossible combination into one clear message."""
-    # Single-group values (depth, deq.*, data and model keys) are checked where they are used, once: the
-    # depth default and check in src.config.deq.resolve_depth, the DEQ keys in src.deq.config.DEQConfig.
-    # Here only what no single group can see: combinations across groups.
+    """Start-up checks that turn an impossible combination into one clear message, before anything is built."""
+    # Single-group values (depth, deq.*, data and model keys) are checked where they are used, once: the deq group
+    # where the module is built (src.lit.base.DeqsmModule parses it with src.deq.config, which refuses every DEQ
+    # combination a family cannot run, loss=cp with the implicit backward included). Here only what must be
+    # refused before the data are built.
     check_family_data(cfg)  # model=ncsn / model=vae on the default (non-image) data: one line naming the data
-    deq = deq_setting(cfg.get("deq"), family_of(cfg))  # and a deq.block of another family, deq=false one_pass
-    loss = cfg.get("loss")
-    if loss is not None and loss.get("name") == "cp" and deq is not None and deq.backward == "implicit":
-        raise ValueError(
-            "loss=cp cannot run with deq.backward=implicit: curvature propagation records the network's elementary "
-            "ops, and the implicit DEQ hides them inside one autograd Function. Use deq.backward=phantom with cp, "
-            "or an exact/sliced loss (sm, ssm, ssm_vr, dsm) with the implicit backward"
-        )
 
 
 def follow_optimization_mode(trainer_cfg: DictConfig, model: L.LightningModule) -> DictConfig:
@@ -136,7 +125,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             cfg.logger.wandb.group = group  # multirun jobs: one W&B run each, grouped by sweep
     callbacks = _instantiate_group(cfg.get("callbacks"))
     if cfg.get("memory_estimate", True):  # probe steps before the first one: warn when a step will not fit
-        callbacks.append(MemoryEstimate(OmegaConf.select(cfg, "data.batch_size"), cfg.get("model"), cfg.get("deq")))
+        callbacks.append(MemoryEstimate(OmegaConf.select(cfg, "data.batch_size"), cfg.get("model")))
     if not cfg.trainer.get("enable_progress_bar", True):  # a progress-bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
     loggers = _instantiate_group(cfg.get("logger"))

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 
-from src.runs.atomic import atomic_file
+from src.runtime.atomic import atomic_file
 
 log = logging.getLogger(__name__)
 
@@ -94,9 +94,6 @@ def load_checked(path: str | Path, map_location="cpu", trust: bool = False) -> d
         raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc})") from exc
     validate_checkpoint(ckpt, path)
     return ckpt
-
-
-check_checkpoint = load_checked  # the name the tests and older scripts use
 
 
 def validate_checkpoint(ckpt, path: str | Path) -> None:

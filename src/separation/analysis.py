@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from src.models.supervised import MLP, DEQNet, DiagonalLinearDEQ, DiagonalLinearNet
-from src.studies import implicit_bias as ib
-from src.studies import regions as rg
-from src.studies import tasks
+from src.separation import implicit_bias as ib
+from src.separation import regions as rg
+from src.separation import tasks
 
 
 def _plt():
@@ -38,7 +38,7 @@ def deq_regions(net: DEQNet):
     """The PL map x ↦ output of a 1-input ReLU DEQNet with one layer in f on [0, 1] (else None): unrolled
     exactly when its W (as the forward uses it, after normalisation) is strictly lower-triangular, hence
     nilpotent (Theorem 1's construction); otherwise walked piece by piece through its activation patterns
-    (:func:`src.studies.regions.relu_deq_pl`: a trained DEQ, whose normalised W contracts)."""
+    (:func:`src.separation.regions.relu_deq_pl`: a trained DEQ, whose normalised W contracts)."""
     b = net.block
     if b.in_dim != 1 or b.n_layers != 1 or b.activation != "relu" or not isinstance(b.injection, torch.nn.Linear):
         return None

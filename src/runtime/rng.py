@@ -44,7 +44,7 @@ class EvaluationRngGuard(L.Callback):
 
 def capture_rng_states() -> dict:
     """The process's Python, numpy, torch (and CUDA) RNG states as tensors and plain Python values, so that a
-    checkpoint holding them loads with ``weights_only=True`` (src.runs.checkpoints)."""
+    checkpoint holding them loads with ``weights_only=True`` (src.runtime.checkpoints)."""
     name, key, pos, has_gauss, cached = np.random.get_state(legacy=True)
     states = {"python": random.getstate(),
               "numpy": {"bit_generator": str(name), "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),

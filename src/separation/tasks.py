@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from src.studies import implicit_bias, regions
+from src.separation import implicit_bias, regions
 
 
 def _rng(seed: int, stream: int) -> np.random.Generator:
