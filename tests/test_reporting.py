@@ -6,6 +6,7 @@ import json
 
 import yaml
 
+from benchmarks.lib.results import seed_verdict
 from src.reports import sweeps as report
 from src.reports.tables import (
     figure,
@@ -14,7 +15,6 @@ from src.reports.tables import (
     load_run,
     markdown_table,
     parse_overrides,
-    seed_verdict,
     summarise,
     summarise_metrics,
 )
@@ -112,7 +112,7 @@ def test_labelled_checkpoint_splits_at_the_last_equals_sign():
 
     import pytest
 
-    from src.reports.tables import labelled_checkpoint
+    from benchmarks.lib.results import labelled_checkpoint
 
     assert labelled_checkpoint("trained with K=2=runs/a/step_0000600.ckpt") == ("trained with K=2",
                                                                                "runs/a/step_0000600.ckpt")
@@ -122,7 +122,7 @@ def test_labelled_checkpoint_splits_at_the_last_equals_sign():
 
 
 def test_result_files_are_written_atomically_merged_and_rerendered(tmp_path):
-    from src.reports.tables import load_results, rerender, write_results
+    from benchmarks.lib.results import load_results, rerender, write_results
 
     def render(res):
         return "\n".join(f"| {k} | {v['x']:.1f} |" for k, v in res.items()) + "\n"

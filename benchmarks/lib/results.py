@@ -8,18 +8,29 @@
 - result files: :func:`result_options` (``--out``, ``--name``, ``--render``), :func:`rendered` (``--render``: the
   markdown rebuilt from the saved JSON, nothing run), :func:`note_lines`, :func:`fmt` (a ``mean ± std`` cell);
 - studies of trained checkpoints (``--ckpt LABEL=PATH …``): :func:`checkpoint_options` and
-  :func:`checkpoint_study`.
+  :func:`checkpoint_study`;
+- result files: :func:`write_results` (``<stem>.json`` atomically, then ``<stem>.md`` rendered from it),
+  :func:`load_results` (a saved JSON to merge into), :func:`rerender` (the markdown again from a saved JSON);
+- verdicts: :func:`seed_verdict` (is one method better than another over seeds: agree / disagree / undecided at
+  twice the standard error of the difference).
+
+The reporting library they share with ``python -m src.report`` (rows, mean ± std, markdown tables, figures) is
+:mod:`src.reports.tables`.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import platform
 import shlex
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
+
+from src.reports.tables import summarise
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -75,7 +86,6 @@ def rendered(args, stem: str, render: Callable[[dict], str]) -> bool:
     ``--note FILE`` too: a finding written after the run, stored in the JSON's ``meta.note`` first."""
     if not args.render:
         return False
-    from src.reports.tables import load_results, rerender, write_results
 
     if getattr(args, "note", None):
         res = load_results(args.out, stem)
@@ -108,7 +118,6 @@ def note_lines(meta: dict) -> list[str]:
 def checkpoint_options(ap: argparse.ArgumentParser, name: str, what: str) -> None:
     """The options every study of trained checkpoints has: ``--ckpt LABEL=PATH`` (repeatable), ``--root``,
     ``--n``, ``--seed``, ``--note``, ``--out``, ``--name`` (default ``name``), ``--render``."""
-    from src.reports.tables import labelled_checkpoint
 
     ap.add_argument("--ckpt", action="append", default=[], type=labelled_checkpoint,
                     help=f"LABEL=PATH of {what} (repeatable; split at the last =)")
@@ -125,7 +134,6 @@ def checkpoint_study(ap: argparse.ArgumentParser, args, module: str, render: Cal
     ``src.sample.load_module``, torch threads from ``OMP_NUM_THREADS``), ``<out>/<name>.json`` and ``.md``
     rewritten after each; ``meta`` (the study's settings) is recorded beside the machine and the command.
     With ``--render`` only the markdown is rebuilt from the saved JSON."""
-    from src.reports.tables import write_results
 
     if rendered(args, args.name, render):
         return
@@ -146,3 +154,55 @@ def checkpoint_study(ap: argparse.ArgumentParser, args, module: str, render: Cal
         write_results(args.out, args.name, res, render)
         print(f"{label}: done", flush=True)
     print(f"-> {Path(args.out) / args.name}.md")
+
+
+# ------------------------------------------------------------------- result files and verdicts
+def seed_verdict(a: Iterable[float | None], b: Iterable[float | None], lower_is_better: bool
+                 ) -> tuple[str, float, float]:
+    """Verdict of the claim 'a is better than b' from two sets of seeds, with the two means: agree / disagree
+    when the means differ by more than twice the standard error of their difference (Welch: sd²/n of each side
+    summed; with no spread on either side, any difference decides), undecided otherwise, for equal means, or with
+    fewer than 2 finite values on a side."""
+    ma, sa, na = summarise(a)
+    mb, sb, nb = summarise(b)
+    if na < 2 or nb < 2:
+        return "undecided (fewer than 2 seeds)", ma, mb
+    se = math.sqrt(sa**2 / na + sb**2 / nb)
+    diff = (mb - ma) if lower_is_better else (ma - mb)  # > 0: a is better
+    if diff == 0:
+        return "undecided (equal means)", ma, mb
+    if se > 0 and abs(diff) <= 2 * se:
+        return f"undecided (difference {abs(diff):.2f} ≤ 2 s.e. = {2 * se:.2f})", ma, mb
+    return ("agree" if diff > 0 else "disagree") + f" (difference {abs(diff):.2f}, 2 s.e. = {2 * se:.2f})", ma, mb
+
+def labelled_checkpoint(spec: str) -> tuple[str, str]:
+    """argparse ``type`` of a benchmark's ``--ckpt LABEL=PATH``: split at the *last* ``=``, since labels may
+    hold one (``'trained with K=2=outputs/…/step_0000600.ckpt'``) and checkpoint paths do not."""
+    if "=" not in spec:
+        raise argparse.ArgumentTypeError(f"{spec!r}: write LABEL=PATH")
+    label, path = spec.rsplit("=", 1)
+    return label, path
+
+def write_results(out: Path, stem: str, res: dict, render: Callable[[dict], str], indent: int = 1,
+                  **dumps) -> None:
+    """``<out>/<stem>.json`` (written to a temporary file and renamed: a killed run never leaves half a file)
+    and ``<out>/<stem>.md`` = ``render(res)``. ``indent`` and ``dumps`` (``sort_keys``, ``default``) go to
+    ``json.dumps``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / f"{stem}.json.tmp"
+    tmp.write_text(json.dumps(res, indent=indent, **dumps))
+    tmp.replace(out / f"{stem}.json")
+    (out / f"{stem}.md").write_text(render(res))
+
+def load_results(out: Path, stem: str) -> dict:
+    """The saved ``<out>/<stem>.json`` (``{}`` when there is none): what a benchmark that merges its runs by
+    device or setting adds its new section to."""
+    path = Path(out) / f"{stem}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+def rerender(out: Path, stem: str, render: Callable[[dict], str]) -> dict:
+    """Rewrite ``<out>/<stem>.md`` from the saved ``<out>/<stem>.json`` (nothing is run); return the JSON."""
+    res = json.loads((Path(out) / f"{stem}.json").read_text())
+    (Path(out) / f"{stem}.md").write_text(render(res))
+    return res

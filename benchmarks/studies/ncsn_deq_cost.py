@@ -413,7 +413,7 @@ def main(argv=None):
         ap.error("give a section (cost | authors | families | frontier) or --render")
     placeholders = {str(args.runs): "<runs dir>"} if args.runs else None
     args.command = script_command(MODULE, argv, data_root=args.root, placeholders=placeholders)
-    from src.reports.tables import load_results, write_results
+    from benchmarks.lib.results import load_results, write_results
 
     res = load_results(args.out, STEM)
     res[args.section] = run_frontier(args) if args.section == "frontier" else run_cost(args)

@@ -34,8 +34,8 @@ import os
 import time
 from pathlib import Path
 
-from benchmarks.lib.results import RESULTS, machine_facts, script_command
-from src.reports.tables import markdown_table, rerender, write_results
+from benchmarks.lib.results import RESULTS, machine_facts, rerender, script_command, write_results
+from src.reports.tables import markdown_table
 from src.sampling.annealed_langevin import UPDATES
 
 

@@ -37,8 +37,8 @@ from string import Template
 import numpy as np
 
 from benchmarks.lib.jobs import thread_env, train_job
-from benchmarks.lib.results import RESULTS, ROOT, made_by, script_command
-from src.reports.tables import group_rows, seed_verdict, summarise, write_results
+from benchmarks.lib.results import RESULTS, ROOT, made_by, script_command, seed_verdict, write_results
+from src.reports.tables import group_rows, summarise
 from src.separation import implicit_bias as ib
 from src.separation import regions as rg
 from src.separation import tasks

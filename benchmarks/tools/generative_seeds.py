@@ -42,8 +42,8 @@ import re
 from pathlib import Path
 
 from benchmarks.lib.generative_grids import GRIDS
-from benchmarks.lib.results import fmt, result_options, script_command
-from src.reports.tables import figure, markdown_table, seed_verdict, summarise, write_results
+from benchmarks.lib.results import fmt, result_options, script_command, seed_verdict, write_results
+from src.reports.tables import figure, markdown_table, summarise
 
 PROTOCOL = ("grid", "experiment", "eval_overrides", "real_fid_n")
 # The DEQ variants and the explicit ones they are compared with; each quality metric: (key, label, lower is

@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
     args = ap.parse_args(argv)
     out = args.out or (ROOT / "outputs" / "gpu_suite_dry_run" if args.dry_run else RESULTS)
-    from src.reports.tables import rerender, write_results
+    from benchmarks.lib.results import rerender, write_results
 
     if args.render:
         return rerender(out, args.name, render)

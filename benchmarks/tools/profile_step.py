@@ -47,12 +47,14 @@ from pathlib import Path
 from benchmarks.lib.results import (
     DATA_ROOT,
     ROOT,
+    load_results,
     machine_facts,
     made_by,
     note_lines,
     rendered,
     result_options,
     script_command,
+    write_results,
 )
 from benchmarks.lib.step import trainer_free, training_step
 from benchmarks.lib.step_cases import CASES, build_case, commit_of, deq_iterations, snapshot
@@ -176,8 +178,7 @@ def main(argv=None) -> dict:
         sys.path.insert(0, str(tree))
     import torch
 
-    from src.reports.tables import load_results, write_results
-
+    
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     unknown = [c for c in cases if c not in CASES]

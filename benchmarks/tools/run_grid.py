@@ -33,7 +33,7 @@ from pathlib import Path
 
 from benchmarks.lib.jobs import run_module, thread_env, train_job
 from benchmarks.lib.paper import DKEF_NICE, PAPER_DEQ, PAPER_STOP
-from benchmarks.lib.results import DATA_ROOT, RESULTS, ROOT, fmt
+from benchmarks.lib.results import DATA_ROOT, RESULTS, ROOT, fmt, seed_verdict, write_results
 from benchmarks.lib.runs import portable, tested_checkpoint
 from src.reports.tables import (
     figure,
@@ -42,9 +42,7 @@ from src.reports.tables import (
     markdown_table,
     read_overrides,
     scale_of,
-    seed_verdict,
     summarise,
-    write_results,
 )
 
 NICE_COLUMNS = [

@@ -19,9 +19,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from benchmarks.lib.results import RESULTS, script_command
+from benchmarks.lib.results import RESULTS, rerender, script_command
 from benchmarks.lib.step_cost import dkef, ncsn, vae
-from src.reports.tables import rerender
 
 FAMILIES = {"dkef": dkef, "ncsn": ncsn, "vae": vae}
 MODULE = "benchmarks.tools.step_cost"

@@ -43,9 +43,9 @@ from pathlib import Path
 
 from benchmarks.lib.generative_grids import GRIDS
 from benchmarks.lib.jobs import run_module
-from benchmarks.lib.results import ROOT, shown
+from benchmarks.lib.results import ROOT, shown, write_results
 from benchmarks.lib.runs import slug
-from src.reports.tables import figure, markdown_table, write_results
+from src.reports.tables import figure, markdown_table
 
 SUMMARY = [("n_params", "params", "{:,.0f}"), ("profile/time_per_step_s", "s / step", "{:.3f}"),
            ("profile/saved_bytes_mean", "saved MB / step", "{:.1f}"), ("profile/deq_iterations_mean", "DEQ iters",

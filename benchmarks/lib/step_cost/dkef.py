@@ -26,11 +26,10 @@ import statistics
 
 import torch
 
-from benchmarks.lib.results import made_by
+from benchmarks.lib.results import load_results, made_by, write_results
 from benchmarks.lib.step import device_name, measured
 from benchmarks.lib.step_cases import dkef_module
 from src.lit.dkef import DKEFLitModule
-from src.reports.tables import load_results, write_results
 
 STEM = "dkef_memory"
 MADE_BY = "python -m benchmarks.tools.step_cost dkef"

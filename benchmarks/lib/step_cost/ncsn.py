@@ -44,11 +44,11 @@ import torch
 
 from benchmarks.lib import paper
 from benchmarks.lib.jobs import run_process, thread_env
-from benchmarks.lib.results import machine_facts, made_by, note_lines
+from benchmarks.lib.results import load_results, machine_facts, made_by, note_lines, write_results
 from benchmarks.lib.step import measured, trainer_free, training_step
 from benchmarks.lib.step_cases import ncsn_module
 from src.lit.ncsn import NCSNLitModule
-from src.reports.tables import load_results, markdown_table, write_results
+from src.reports.tables import markdown_table
 
 STEM = "ncsn_memory"
 # (row, arch, deq enabled, depth, deq overrides): the paper's three rows of Table 5, and the DEQ with the spectral

@@ -29,10 +29,10 @@ import statistics
 import torch
 
 from benchmarks.lib import paper
-from benchmarks.lib.results import made_by
+from benchmarks.lib.results import made_by, write_results
 from benchmarks.lib.step import measured, trainer_free, training_step
 from benchmarks.lib.step_cases import vae_module
-from src.reports.tables import markdown_table, write_results
+from src.reports.tables import markdown_table
 
 STEM = "vae_memory"
 SIZES = {"CIFAR-10": (3, 32, 32), "CelebA": (3, 64, 64)}
