@@ -54,3 +54,10 @@ GRIDS = {
                     ("test/ssm_vr_loss", "test SSM-VR loss", "{:.3f}")],
     },
 }
+
+# The generative decision's NCSN protocol (issue 48; conf/experiment/ncsn_mnist_long.yaml: NCSNv2's noise rules,
+# EMA 0.999, batch 32, FID of 1000 samples): the arms of the decision and the DSM reference line.
+GRIDS["ncsn_long"] = {**GRIDS["ncsn"], "experiment": "experiment=ncsn_mnist_long",
+                      "variants": {v: GRIDS["ncsn"]["variants"][v] for v in (
+                          "DEQ-SSM-VR NCSN (record)", "DEQ-SSM-VR NCSN (one-pass)", "TwoRes-SSM-VR NCSN",
+                          "SSM-VR NCSN (RefineNet)", "TwoRes-DSM NCSN")}}

@@ -60,6 +60,7 @@ CLAIMS = {
             "quality": [("test/log_likelihood", "AIS log p(x)", False, "test/log_likelihood_stderr"),
                         ("test/fid", "FID", True, "test/fid_bootstrap_sd")]},
 }
+CLAIMS["ncsn_long"] = CLAIMS["ncsn"]
 COSTS = [("profile/saved_bytes_mean", "saved MB / step", 1), ("profile/time_per_step_s", "s / step", 3)]
 
 

@@ -56,6 +56,9 @@ PROTOCOL = {
             "extra": "", "eval_extra": "model.metrics.fid.bootstrap=100"},
     "ncsn": {"steps": 3000, "every": 500, "fid_samples": 1000, "ais_points": 16, "final_ais_points": 0,
              "extra": "data.batch_size=32", "eval_extra": "model.metrics.fid.bootstrap=100"},
+    # conf/experiment/ncsn_mnist_long.yaml holds batch, EMA, noise, sampler and the FID's size and bootstrap
+    "ncsn_long": {"steps": 6000, "every": 1500, "fid_samples": 1000, "ais_points": 16, "final_ais_points": 0,
+                  "extra": "", "eval_extra": ""},
 }
 # a dry run: the same code path on the CPU at tiny sizes (data, model, sampler, AIS, FID)
 DRY = {
@@ -74,6 +77,7 @@ DRY = {
                             "model.metrics.noise_conditional.test_points=8 trainer.limit_test_batches=1 "
                             "model.n_samples_grid=4")},
 }
+DRY["ncsn_long"] = DRY["ncsn"]
 GPU = "trainer.accelerator=gpu trainer.devices=1"
 
 
