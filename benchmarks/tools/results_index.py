@@ -33,6 +33,8 @@ CURVES = re.compile(r"(vae|ncsn)_mnist_curves")
 REBUILT_BY = {
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_table3": "benchmarks.tools.run_grid dkef --render --name dkef_table3",
+    "ncsn_protocol_probe_a": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_a",
+    "ncsn_protocol_probe_b": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_b",
     "ncsn_deq_cost": "benchmarks.studies.ncsn_deq_cost --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
     "faults": "benchmarks.tools.fault_table --render",
@@ -113,6 +115,11 @@ SHOWS = {
     "ncsn_sampler_update": "The DEQ authors' Langevin update (`model.sampling.update=authors`: 2/3 drift, MA(1) "
                            "noise) against the Euler step on two NCSN DEQ-of-record checkpoints: FID of 500 samples "
                            "± bootstrap sd and white-out, same seed for both rules.",
+    "ncsn_protocol_probe_a": "NCSN protocol probe A (issue 48): DSM TwoRes, batch 32, EMA 0.999, "
+                             "experiment=ncsn_mnist's noise (σ 1 → 0.01, 10 levels, T = 20, ε 2e-5, denoised): "
+                             "FID of 500 samples at 1500 and 3000 steps (`notes/ncsn_protocol.md`).",
+    "ncsn_protocol_probe_b": "NCSN protocol probe B (issue 48): the same with NCSNv2's rules (σ₁ 16.9, 95 levels, "
+                             "unconditional network, T = 5, ε 1.1e-5): FID of 500 samples (`notes/ncsn_protocol.md`).",
     "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "
                          "steps and wall time for RefineNet, TwoRes, DEQ and DEQ (spectral norm); sample grids."
                          " Measured before issue 29 (the old half Langevin step).",
@@ -147,6 +154,8 @@ SHOWS = {
     "notes/dkef_table3": "The note printed above `dkef_table3.md` (`--note`): the protocol, and why early stopping "
                          "with patience 20 selects the full-length runs' checkpoints (checked on seed 0 of both "
                          "100-d methods).",
+    "notes/ncsn_protocol": "How experiment=ncsn_mnist_long's NCSN protocol was chosen: probes A and B side by side, "
+                           "NCSNv2's rules computed for MNIST.",
     "notes/ncsn_deq_cost_frontier": "The note printed under `ncsn_deq_cost.md`'s frontier table (`--note`): why "
                                     "two routes stop early, and the runs not kept.",
     "notes/dkef_issue14": "The note printed above `dkef.md`'s tables (`--note`): the DEQ rows re-measured with "

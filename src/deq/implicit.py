@@ -23,8 +23,8 @@ NCSN step: benchmarks/results/ncsn_deq_cost.md); on the NCSN's normalised block 
 training, so it is an option, not a default.
 
 Memory does not grow with solver iterations: the Function saves u* and p; each adjoint solve takes one product
-with φ's Jacobian per iteration — a VJP on φ's graph, built once, at odd levels, a forward-mode JVP (no graph) at
-even ones (:meth:`_Adjoint.prepare`).
+with φ's Jacobian per iteration — the map's own products where it offers them (``linearize``), else a VJP on φ's
+graph, built once, at odd levels and a forward-mode JVP (no graph) at even ones (:meth:`_Adjoint.prepare`).
 """
 
 from __future__ import annotations

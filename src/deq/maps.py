@@ -128,8 +128,8 @@ class NormalizedResidualMap:
 
     @property
     def forward_mode_map(self) -> NormalizedResidualMap:
-        """The same map in plain ops, for forward-mode AD (the recomputing norm has no JVP rule): the implicit
-        backward's even-level adjoint solves step with J v by a JVP (src.deq.implicit)."""
+        """The same map in plain ops, for forward-mode AD (the recomputing norm has no JVP rule); the implicit
+        backward itself steps with :meth:`linearize`'s products (src.deq.implicit)."""
         return NormalizedResidualMap(self.padding, recompute=False)
 
     def linearize(self, z, inj, g1, b1, k1, g2, b2, k2, inv_w, eps: float = 1e-5):
