@@ -34,6 +34,7 @@ REBUILT_BY = {
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_table3": "benchmarks.tools.run_grid dkef --render --name dkef_table3",
     "ncsn_protocol_probe_a": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_a",
+    "vae_mnist_campaign": "benchmarks.tools.generative_seeds vae --render --name vae_mnist_campaign",
     "ncsn_protocol_probe_b": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_b",
     "ncsn_deq_cost": "benchmarks.studies.ncsn_deq_cost --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
@@ -115,6 +116,13 @@ SHOWS = {
     "ncsn_sampler_update": "The DEQ authors' Langevin update (`model.sampling.update=authors`: 2/3 drift, MA(1) "
                            "noise) against the Euler step on two NCSN DEQ-of-record checkpoints: FID of 500 samples "
                            "± bootstrap sd and white-out, same seed for both rules.",
+    "vae_mnist_campaign": "The SSM-VAE decision of issue 48 at experiment=vae_mnist's 20 000 steps: DEQ of record, its "
+                          "one-pass control and the SSM VAE, FID of 1000 samples and AIS on 100 test images paired "
+                          "by image; the seeds that have finished (`python -m benchmarks.tools.seeds_campaign vae "
+                          "--root <data dir> --parallel 1 --seeds 0,1,2 --variants 'DEQ-SSM VAE (record),DEQ-SSM "
+                          "VAE (one-pass),SSM VAE' --steps 20000 --every 10000 --fid-samples 1000 --ais-points 16 "
+                          "--final-ais-points 100`). Wall times: the machine ran other jobs beside each part, "
+                          "unevenly, so s/step and the equal-wall-time table are not comparable across arms.",
     "ncsn_protocol_probe_a": "NCSN protocol probe A (issue 48): DSM TwoRes, batch 32, EMA 0.999, "
                              "experiment=ncsn_mnist's noise (σ 1 → 0.01, 10 levels, T = 20, ε 2e-5, denoised): "
                              "FID of 500 samples at 1500 and 3000 steps (`notes/ncsn_protocol.md`).",
