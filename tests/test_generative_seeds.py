@@ -124,3 +124,26 @@ def test_vae_last_metrics_take_the_larger_final_ais_test():
     assert last["test/log_likelihood"] == -110.0 and last["ais_points"] == 500
     run["final"]["step"] = 50  # a final test of another checkpoint is not this one's
     assert gs.last_metrics(run)["test/log_likelihood"] == -120.0
+
+
+def test_vae_arms_are_compared_paired_by_image():
+    """The per-image AIS differences of two arms on the same images: per seed and pooled, with the verdict at
+    2 s.e. of the mean paired difference — a shift hidden by the images' spread in the unpaired errors shows."""
+    import math
+
+    rec, ssm = "DEQ-SSM VAE (record)", "SSM VAE"
+    base = [-80.0 - 10 * i for i in range(20)]  # the images' spread: sd ~59 nats
+    shift = [0.5 + (0.1 if i % 2 else -0.1) for i in range(20)]  # the DEQ arm 0.5 ± 0.1 nats higher per image
+
+    def run(values):
+        return {"final": {"per_point": values}}
+
+    res = {"runs": {rec: {"0": run([b + s for b, s in zip(base, shift)]), "1": run([b + 0.5 for b in base])},
+                    ssm: {"0": run(base), "1": run(base)}}}
+    (line,) = [x for x in gs.paired_lines(res) if x.startswith(f"- {rec} − {ssm}")]
+    se = math.sqrt(sum((d - 0.5) ** 2 for d in shift) / 39) / math.sqrt(40)  # the pooled differences' s.e.
+    assert f"+0.500 ± {se:.3f} nats over 40 (seed, image) pairs → agree" in line
+    assert "seed 0: +0.500 ± 0.023 (20 images)" in line and "seed 1: +0.500 ± 0.000 (20 images)" in line
+    res["runs"][rec]["1"] = run([b - 2.0 for b in base])  # seed 1 worse by 2 nats: the pooled mean turns negative
+    (line,) = [x for x in gs.paired_lines(res) if x.startswith(f"- {rec} − {ssm}")]
+    assert line.split(" nats")[0].endswith("-0.750 ± 0.200") and "disagree" in line
