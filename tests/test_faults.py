@@ -167,8 +167,8 @@ def test_corrupt_data_files(tmp_path):
 
 # ------------------------------------------------------------------------------------------------- full disk
 def test_full_disk_during_a_checkpoint_write(tmp_path, monkeypatch):
-    from src.runs import checkpoints
     from src.runs.training import train
+    from src.runtime import checkpoints
     from src.runtime.checkpoints import load_checked
 
     with case("full disk (simulated ENOSPC)",

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.keep_samples and args.grid_step_lr is not None and args.grid_n_steps_each is not None:
             import torch
 
-            from src.callbacks.samples import save_image_grid
+            from src.sampling.grids import save_image_grid
 
             lr, t = args.grid_step_lr, args.grid_n_steps_each
             images = torch.load(Path(args.keep_samples) / f"eps{lr:g}_T{t}.pt", weights_only=True)
@@ -347,7 +347,7 @@ def main(argv: list[str] | None = None) -> None:
             record["fid"] = float(fid.compute())
         res["settings"][key_of(lr, t, update)] = record
         if want_grid:
-            from src.callbacks.samples import save_image_grid
+            from src.sampling.grids import save_image_grid
 
             path = Path(args.out) / f"{args.name}_samples.png"
             save_image_grid(images[:64], path)
