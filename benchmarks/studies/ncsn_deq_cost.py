@@ -69,7 +69,7 @@ ARMS = {
 MB = 2**20
 # the clock of every timed figure: wall (perf_counter), or with --clock cpu this process's CPU time (one torch
 # thread: the step's compute, not the waits while other processes hold the cores; for a busy machine)
-CLOCK = [time.perf_counter]
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 # The same accounting for every family (section ``families``): each family's experiment, its DEQ of record (the
 # experiment's deq=true), the paper's block, the record's one-pass control and the explicit network.
 FAMILY_BASE = {"dkef": "experiment=dkef_uci data=redwine loss=sm", "nice": "experiment=nice_mnist loss=ssm",
@@ -99,7 +99,8 @@ class _Phases:
     the phantom backward's solve (a measurement of this process only) and tags every saved tensor with the
     innermost phase running."""
 
-    def __init__(self):
+    def __init__(self, clock=time.perf_counter):
+        self.clock = clock
         from src.deq import implicit
 
         self.stack = ["outside the DEQ's solves"]
@@ -131,11 +132,11 @@ class _Phases:
     @contextlib.contextmanager
     def phase(self, name):
         self.stack.append(name)
-        t0 = CLOCK[0]()
+        t0 = self.clock()
         try:
             yield
         finally:
-            self.seconds[name] += CLOCK[0]() - t0  # inclusive of nested phases
+            self.seconds[name] += self.clock() - t0  # inclusive of nested phases
             self.stack.pop()
 
 
@@ -148,7 +149,8 @@ def worker(spec: dict) -> dict:
     from src.runs.build import build
 
     torch.set_num_threads(int(spec["threads"]))
-    phases = _Phases()
+    clock = CLOCKS[spec.get("clock") or "wall"]
+    phases = _Phases(clock)
     torch.manual_seed(0)
     if spec.get("setting") == "authors":
         from benchmarks.lib.step_cost.ncsn import AUTHORS_SETTINGS
@@ -165,7 +167,6 @@ def worker(spec: dict) -> dict:
         dm = build(cfg.data)
         dm.setup("fit")
         batches = iter(dm.train_dataloader())
-    CLOCK[0] = time.process_time if spec.get("clock") == "cpu" else time.perf_counter
     if spec["arm"] == "record_autograd_products":  # the adjoint solves fall back to autograd's products
         from src.deq.maps import NormalizedResidualMap
 
@@ -196,10 +197,10 @@ def worker(spec: dict) -> dict:
                 by_phase[phases.stack[-1]] += storage.nbytes()
             return t
 
-        t0 = CLOCK[0]()
+        t0 = clock()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             training_step(module, batch, optimizers)
-        seconds = CLOCK[0]() - t0
+        seconds = clock() - t0
         if k >= int(spec["warmup"]):
             its = [b.last_stats["iterations"] for b in blocks if b.last_stats]
             adjoint = [b.last_backward_stats["iterations"] for b in blocks if b.last_backward_stats]
@@ -397,7 +398,7 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="wall time, or the process's CPU time (one thread: robust to other processes' load)")
     ap.add_argument("--runs", type=Path, default=None, help="frontier: a folder of 300-step run directories")
     ap.add_argument("--note", default=None, help="a markdown file: a finding, written below the section's table")
