@@ -48,7 +48,7 @@ def test_each_part_gets_the_protocol_and_records_how_many_ran_at_once(tmp_path):
     for key in ("steps", "every", "fid_samples", "ais_points", "final_ais_points", "extra", "eval_extra"):
         setattr(ns, key, proto[key])
     ns.grid, ns.root, ns.threads, ns.parallel, ns.name = "vae", "data", 1, 12, "vae_mnist_seeds"
-    ns.runs, ns.work = ROOT / "outputs" / "r", ROOT / "outputs" / "w"
+    ns.runs, ns.work, ns.curve_seeds = ROOT / "outputs" / "r", ROOT / "outputs" / "w", {0, 1, 2}
     cmd = seeds_campaign.part_command(ns, 2, "DEQ-SSM VAE")
     line = seeds_campaign.shown(cmd)
     # the decisive comparison's VAE protocol (docs/experiments.md): 12 000 steps, a checkpoint every 3 000,
@@ -58,8 +58,22 @@ def test_each_part_gets_the_protocol_and_records_how_many_ran_at_once(tmp_path):
                 "--concurrent 12", "--runs outputs/r", "--out outputs/w/parts",
                 "--name vae_mnist_seeds_seed2_deq_ssm_vae"):
         assert opt in line, opt
-    assert str(ROOT) not in line
+    assert str(ROOT) not in line and "--test-every" not in line  # a curve seed: every kept checkpoint tested
     assert seeds_campaign.PROTOCOL["ncsn"]["extra"] == "data.batch_size=32"
+    ns.curve_seeds = {0}  # --curve-seeds 0: seed 2 tests only its last checkpoint
+    assert "--test-every 12000" in seeds_campaign.shown(seeds_campaign.part_command(ns, 2, "DEQ-SSM VAE"))
+
+
+def test_only_the_curve_steps_and_the_last_checkpoint_are_tested(tmp_path):
+    from benchmarks.tools.training_curves import tested_checkpoints
+
+    (tmp_path / "step_checkpoints").mkdir()
+    for step in (1500, 3000, 4500, 6000, 7000):
+        (tmp_path / "step_checkpoints" / f"step_{step:07d}.ckpt").write_bytes(b"")
+    names = lambda every: [c.stem for c in tested_checkpoints(tmp_path, every)]
+    assert names(None) == ["step_0001500", "step_0003000", "step_0004500", "step_0006000", "step_0007000"]
+    assert names(3000) == ["step_0003000", "step_0006000", "step_0007000"]
+    assert names(7000) == ["step_0007000"]
 
 
 def test_unknown_variant_and_gpu_without_cuda_are_refused(monkeypatch):

@@ -23,7 +23,9 @@ Every option of the protocol can be changed (``--steps``, ``--every``, ``--fid-s
 the protocol above. Each part is ``training_curves.py <grid> --variants V --seed S`` with its log in
 ``<work>/<part>.log``; a part that fails is reported and left out, the others go on. Everything is resumable the
 way ``training_curves.py`` is: run the same command again and finished trainings and tested checkpoints are
-reused.
+reused. Arms may be started apart (``--variants``, the same ``--name`` and ``--work``): each seed's merge and the
+comparison take every finished part of the name. ``--curve-seeds 0`` tests every kept checkpoint of seed 0 only
+(the training curve) and the last checkpoint of the others (what the comparison reads), the others kept on disk.
 
 Wall time: with ``--parallel`` above 1 the parts share the machine, so a part's training time (and so the
 equal-wall-time comparison) includes the others' load, which changes as parts finish. Each part records how many
@@ -93,7 +95,8 @@ def part_command(args, seed: int, variant: str) -> list[str]:
             "--final-ais-points", str(args.final_ais_points), "--threads", str(args.threads),
             "--concurrent", str(args.parallel), "--extra", args.extra, "--eval-extra", args.eval_extra,
             "--runs", rel(args.runs), "--out", rel(args.work / "parts"),
-            "--name", part_name(args.name, seed, variant)]
+            "--name", part_name(args.name, seed, variant),
+            *(() if seed in args.curve_seeds else ("--test-every", str(args.steps)))]
 
 
 def main(argv=None) -> dict:
@@ -102,6 +105,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--root", default="data", help="data.root of every job")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all of the grid)")
+    ap.add_argument("--curve-seeds", default=None,
+                    help="seeds whose every kept checkpoint is tested (the training curve); the other seeds test "
+                         "only their last checkpoint, the one the comparison reads (default: every seed)")
     ap.add_argument("--parallel", type=int, default=1, help="parts (processes) run at once")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads per part (default: the cores shared among --parallel parts)")
@@ -143,6 +149,7 @@ def main(argv=None) -> dict:
     args.parallel = max(1, args.parallel)
     args.threads = args.threads or max(1, (os.cpu_count() or 1) // args.parallel)
     seeds = [int(s) for s in args.seeds.split(",")]
+    args.curve_seeds = set(seeds if args.curve_seeds is None else (int(s) for s in args.curve_seeds.split(",")))
     variants = args.variants.split(",") if args.variants else list(GRIDS[args.grid]["variants"])
     unknown = [v for v in variants if v not in GRIDS[args.grid]["variants"]]
     if unknown:
@@ -158,8 +165,9 @@ def main(argv=None) -> dict:
 
     per_seed = []
     for s in seeds:
-        parts = [args.work / "parts" / f"{part_name(args.name, s, v)}.json" for v in variants]
-        parts = [rel(p) for p in parts if p.is_file() and json.loads(p.read_text()).get("runs")]
+        # every finished part of this name and seed, also of variants an earlier call ran (arms started apart)
+        parts = sorted((args.work / "parts").glob(f"{args.name}_seed{s}_*.json"))
+        parts = [rel(p) for p in parts if json.loads(p.read_text()).get("runs")]
         if not parts:
             print(f"seed {s}: no part finished; left out", flush=True)
             continue

@@ -105,6 +105,15 @@ def eval_overrides(grid_name: str, args) -> list[str]:
     return [f"model.metrics.fid.n_samples={args.fid_samples}", *extra]
 
 
+def tested_checkpoints(run_dir: Path, test_every: int | None) -> list[Path]:
+    """The kept step checkpoints to test, in step order: all of them, or (``test_every``) those at multiples of
+    ``test_every`` steps and the last one (a curve on some seeds, the final point on the others)."""
+    kept = sorted((run_dir / "step_checkpoints").glob("step_*.ckpt"))
+    if not test_every:
+        return kept
+    return [c for i, c in enumerate(kept) if i == len(kept) - 1 or int(c.stem.split("_")[1]) % test_every == 0]
+
+
 def checkpoint_facts(path: Path) -> dict:
     from src.runtime.checkpoints import load_checked
 
@@ -277,6 +286,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--root", default="data", help="data.root of every job")
     ap.add_argument("--steps", type=int, default=None, help="trainer.max_steps (default: vae 6000, ncsn 1000)")
     ap.add_argument("--every", type=int, default=None, help="keep a checkpoint every this many steps")
+    ap.add_argument("--test-every", type=int, default=None,
+                    help="test only the kept checkpoints at multiples of this many steps, and the last one "
+                         "(default: every kept checkpoint; the others stay on disk to test later)")
     ap.add_argument("--variants", default=None, help="comma-separated variant names (default: all)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--fid-samples", type=int, default=1000)
@@ -340,7 +352,7 @@ def main(argv: list[str] | None = None) -> None:
             run.setdefault("command", shown(train_command(grid, name, args, run_dir)))
         train = json.loads((run_dir / "metrics.json").read_text())
         run["train"] = {k: train.get(k) for k, _, _ in SUMMARY} | {"global_step": train.get("global_step")}
-        for ckpt in sorted((run_dir / "step_checkpoints").glob("step_*.ckpt")):
+        for ckpt in tested_checkpoints(run_dir, args.test_every):
             if ckpt.name in run["points"]:
                 continue
             facts = checkpoint_facts(ckpt)
