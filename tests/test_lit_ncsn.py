@@ -5,6 +5,7 @@ closed forms; ``python -m src.train model=ncsn … `` then ``python -m src.sampl
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -163,7 +164,7 @@ def test_unknown_conditioning_is_refused(tmp_path):
         lit_module(tmp_path, ["loss=ssm_vr", "model.conditioning=film"])
 
 
-def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_path, mnist_root):
+def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_path, mnist_root, caplog):
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "src.train", "model=ncsn", "data=mnist_images", "deq=true", "loss=ssm_vr",
            f"data.root={mnist_root}", "data.limit=200", "data.batch_size=8", "data.eval_batch_size=16",
@@ -186,7 +187,11 @@ def test_train_command_writes_fid_and_sample_command_reads_its_checkpoint(tmp_pa
     (run / "kept").mkdir()
     kept = run / "kept" / "step.ckpt"
     shutil.copyfile(saved["tested_checkpoint"], kept)
-    again_metrics = evaluate(kept, [f"data.root={mnist_root}"])
+    with caplog.at_level(logging.INFO, logger="src.runtime.progress"):
+        again_metrics = evaluate(kept, [f"data.root={mnist_root}"])
+    # its long phases show progress although the run was trained with trainer.enable_progress_bar=false
+    started = [r.getMessage() for r in caplog.records if r.getMessage().endswith("in all)")]
+    assert any(m.startswith("Langevin sampling of 8 images") for m in started), started
     for key in ("test/dsm_loss", "test/ssm_vr_loss"):
         assert again_metrics[key] == pytest.approx(saved[key], rel=1e-5), key
     assert (run / "eval_metrics.json").is_file() and not (run / "kept" / "eval_metrics.json").exists()

@@ -120,3 +120,24 @@ def test_phase_is_silent_without_a_trainer_or_on_other_ranks(capsys, monkeypatch
     with progress.phase(None, "shown", total=3, force=True) as advance:  # scripts may ask for a bar
         advance(3)
     assert "shown" in capsys.readouterr().err
+
+
+def test_an_unconfigured_process_still_gets_the_log_lines_on_stderr():
+    """``python -m src.evaluate`` configures no logging (no Hydra job): ensure_log_lines routes the phases' lines to
+    stderr, so a 30-minute FID in a log file shows its tenths."""
+    import subprocess
+    import sys
+
+    code = ("from src.runtime import progress\n"
+            "progress.ensure_log_lines()\n"
+            "with progress.phase(None, 'FID', total=10, force=True) as advance:\n"
+            "    [advance(1) for _ in range(10)]\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    lines = [line for line in done.stderr.splitlines() if "src.runtime.progress" in line]
+    assert "FID: started (10 in all)" in lines[0] and "FID: done (10)" in lines[-1] and len(lines) == 11
+
+
+def test_a_test_only_trainer_keeps_a_bar_only_on_a_terminal(monkeypatch):
+    for tty, rate in ((True, 1), (False, 0)):
+        monkeypatch.setattr(progress, "_interactive", lambda tty=tty: tty)
+        assert progress.test_progress_bar().refresh_rate == rate

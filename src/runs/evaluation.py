@@ -16,6 +16,7 @@ from hydra.utils import instantiate
 
 from src.metrics.presets import apply_eval_preset
 from src.runs.load import run_of_checkpoint
+from src.runtime import progress
 from src.runtime.atomic import write_json_atomic
 from src.runtime.checkpoints import AtomicCheckpointIO, check_matches_model
 from src.runtime.environment import print_metrics, set_float_environment
@@ -24,6 +25,7 @@ from src.runtime.environment import print_metrics, set_float_environment
 def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None, trust: bool = False) -> dict[str, Any]:
     """Test metrics of ``ckpt_path`` (its run's config, ``overrides`` merged); ``trust``: load a checkpoint
     holding pickled objects other than tensors and plain values (module docstring)."""
+    progress.ensure_log_lines()
     ckpt, cfg, run_dir = run_of_checkpoint(ckpt_path, overrides, trust)  # content checked as Lightning loads it
     # the run's evaluation preset, chosen as src.train chose it (keys given here win): the same test again
     eval_record = apply_eval_preset(cfg, explicit=[o.split("=", 1)[0].lstrip("+") for o in overrides or []])
@@ -38,7 +40,8 @@ def evaluate(ckpt_path: str | Path, overrides: list[str] | None = None, trust: b
         # the run's share of the test set (e.g. experiment=ncsn_mnist tests 2 batches): the same metrics as its
         # own test, and not the whole test set at 10 noise levels x (DSM + SSM-VR) each
         limit_test_batches=1.0 if test_share is None else test_share,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(run_dir),
+        # the long phases (Langevin sampling, AIS, FID) show progress: a bar, or log lines in a log file
+        callbacks=[progress.test_progress_bar()], enable_model_summary=False, default_root_dir=str(run_dir),
         plugins=[AtomicCheckpointIO(validators=[functools.partial(check_matches_model, model=model)], trust=trust)],
     )
     trainer.test(model, datamodule=datamodule, ckpt_path=str(ckpt), weights_only=not trust, verbose=False)

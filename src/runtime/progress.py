@@ -31,6 +31,26 @@ def _noop(n: int = 1) -> None:
     return None
 
 
+def ensure_log_lines() -> None:
+    """Let this module's log lines through where nothing configured logging (``src.evaluate``, scripts calling
+    :func:`src.runs.evaluation.evaluate`; ``src.train``'s Hydra logging already does): a stderr handler at INFO on
+    this module's logger, once, unless the root logger has handlers of its own."""
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("[%(asctime)s][%(name)s][%(levelname)s] - %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+
+
+def test_progress_bar():
+    """The progress bar of a test-only Trainer (``src.evaluate``): Lightning's tqdm bar on a terminal; in a log file
+    its per-batch bar is off (refresh rate 0) while the long phases still log their lines (:class:`Phase`)."""
+    from lightning.pytorch.callbacks import TQDMProgressBar
+
+    return TQDMProgressBar(refresh_rate=1 if _interactive() else 0)
+
+
 def _interactive() -> bool:
     """Whether stderr is a terminal (bars), or a file (log lines)."""
     return sys.stderr.isatty()
