@@ -35,6 +35,20 @@ def test_fast_dev_run_every_loss_and_deq(tmp_path, loss, deq):
     assert metrics["n_params"] == saved["n_params"]
 
 
+@pytest.mark.parametrize("backward", ["implicit", "phantom"])
+def test_the_adjoint_solves_iterations_are_profiled_where_there_are_some(tmp_path, backward):
+    """profile/deq_adjoint_iterations_*: the implicit backward's adjoint solves per step (deq.backward_tol's lever);
+    the phantom backward solves none."""
+    cfg = compose_train([*FAST, "model=dkef", "loss=sm", "deq=true", f"deq.backward={backward}",
+                         "trainer.fast_dev_run=true"], tmp_path)
+    train(cfg)
+    saved = json.loads((tmp_path / "metrics.json").read_text())
+    if backward == "implicit":
+        assert saved["profile/deq_adjoint_iterations_mean"] >= 1 and saved["profile/deq_adjoint_hit_cap_max"] == 0
+    else:
+        assert "profile/deq_adjoint_iterations_mean" not in saved
+
+
 NICE_FAST = ["logger=none", "callbacks=minimal", "model=nice", "data=mnist", "data.limit=400", "model.hidden=32",
              "model.deq_width=32", "model.metrics.exact_sm.test_points=8", "model.metrics.exact_sm.val_points=4",
              "model.n_samples_grid=4", "trainer.fast_dev_run=true",

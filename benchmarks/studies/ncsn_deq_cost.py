@@ -15,8 +15,13 @@ with the bytes saved while each runs (the rest of the network is "outside the DE
 from their run directories: recurrence share, contraction, solver iterations, cap hits, validation DSM, and the
 training loss curve (a route that diverges shows it there).
 
+**Acceptance** (``acceptance``): 40-step ``experiment=ncsn_mnist`` runs of the DEQ arms and TwoRes, run alternately
+by the user's own command (``python -m src.train``), read from their run directories: the profiling callback's
+seconds and saved bytes per step, each arm against the TwoRes run of its round.
+
     python -m benchmarks.studies.ncsn_deq_cost cost --root <data dir> [--arms record,twores] [--rounds 2]
     python -m benchmarks.studies.ncsn_deq_cost frontier --runs <dir with one run dir per arm>
+    python -m benchmarks.studies.ncsn_deq_cost acceptance --runs <dir of 40-step runs named <tag>_r<round>_<arm>>
     python -m benchmarks.studies.ncsn_deq_cost --render
 
 Writes ``benchmarks/results/ncsn_deq_cost.{json,md}`` (each call replaces its own section).
@@ -60,6 +65,8 @@ ARMS = {
     "record_autograd_products": (RECORD, ("the record with autograd's Jacobian products in its adjoint solves "
                                           "(a VJP on a graph built once, torch.func.jvp), not the map's own")),
     "record_anderson": (f"{RECORD} deq.solver=anderson", "the record with Anderson for every solve"),
+    "record_btol_1e-3": (f"{RECORD} deq.backward_tol=1e-3", "the record, adjoint solves stopped at relative 1e-3"),
+    "record_btol_1e-2": (f"{RECORD} deq.backward_tol=1e-2", "the record, adjoint solves stopped at relative 1e-2"),
     "exact_orders_1": (f"{RECORD} deq.exact_orders=1 deq.phantom_steps=1",
                        "the record, order-2 adjoint truncated to one Neumann term (no level-2 solve)"),
     "phantom_k1": (f"{RECORD} deq.backward=phantom deq.phantom_steps=1", "the record block, phantom K = 1"),
@@ -303,6 +310,28 @@ def run_frontier(args) -> dict:
     return {"meta": {"command": args.command, "note": _note(args)}, "runs": runs}
 
 
+def read_acceptance_run(run_dir: Path) -> dict:
+    """A 40-step acceptance run (``<tag>_r<round>_<arm>``): its command, the profiling callback's seconds and saved
+    bytes per step, forward solver iterations, and CPU over wall time (≈ 1: its core was not shared)."""
+    from omegaconf import OmegaConf
+
+    m = json.loads((run_dir / "metrics.json").read_text())
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    cmd = [c for c in (OmegaConf.load(overrides) if overrides.exists() else [])
+           if not c.startswith(("data.root=", "hydra.run.dir="))]
+    return {"command": "python -m src.train " + " ".join([*cmd, "data.root=<data dir>"]),
+            "arm": " ".join(c for c in cmd if c.startswith(("deq", "depth"))),
+            "round": int(run_dir.name.split("_r")[1].split("_")[0]) if "_r" in run_dir.name else 1,
+            "s_per_step": m["profile/time_per_step_s"], "saved_MB": m["profile/saved_bytes_mean"] / MB,
+            "iterations": m.get("profile/deq_iterations_mean"), "cpu_over_wall": m["time/fit_cpu_s"] / m["time/fit_s"]}
+
+
+def run_acceptance(args) -> dict:
+    runs = {d.name: read_acceptance_run(d) for d in sorted(Path(args.runs).iterdir()) if (d / "metrics.json").is_file()}
+    return {"meta": {"command": args.command, "machine": machine_facts().rsplit("; cpu", 1)[0], "note": _note(args)},
+            "runs": runs}
+
+
 def _note(args) -> str | None:
     return Path(args.note).read_text() if args.note else None
 
@@ -361,6 +390,31 @@ def _cost_lines(cost: dict, title: str) -> list[str]:
     return lines
 
 
+def _acceptance_lines(accept: dict) -> list[str]:
+    """The issue's acceptance measurement: 40-step runs, each arm against the TwoRes run of its round."""
+    from src.reports.tables import markdown_table
+
+    meta, runs = accept["meta"], accept["runs"]
+    lines = ["## The acceptance: 40-step `experiment=ncsn_mnist` runs side by side (batch 64, SSM-VR)", "",
+             (f"`{meta['command']}` reads the runs below — {meta['machine']}. s/step and saved MB are the profiling "
+              "callback's (`profile/time_per_step_s`, `profile/saved_bytes_mean` in each run's metrics.json: wall "
+              "time over all 40 steps); each arm is compared with the TwoRes run (`deq=false depth=1`) of its "
+              "round; CPU / wall ≈ 1 says the run had its core to itself."), ""]
+    lines += note_lines(meta)
+    twores = {(name.split("_r")[0], r["round"]): r for name, r in runs.items() if r["arm"] == "deq=false depth=1"}
+    head = ["run", "overrides", "round", "s/step", "× TwoRes", "saved MB", "× TwoRes", "fwd iters", "CPU / wall"]
+    body = []
+    for name, r in runs.items():
+        base = twores.get((name.split("_r")[0], r["round"]))
+        body.append([name, f"`{r['arm']}`", str(r["round"]), _f(r["s_per_step"], 3),
+                     _f(r["s_per_step"] / base["s_per_step"]) if base else "–", _f(r["saved_MB"], 1),
+                     _f(r["saved_MB"] / base["saved_MB"]) if base else "–", _f(r["iterations"], 1),
+                     _f(r["cpu_over_wall"])])
+    lines += markdown_table(head, body) + [""]
+    lines += ["Commands:", ""] + [f"- {name}: `{r['command']}`" for name, r in runs.items()] + [""]
+    return lines
+
+
 def render(res: dict) -> str:
     lines = ["# The NCSN DEQ's step: where time and bytes go, and the routes to a cheaper recurring block", ""]
     for section, title in (("cost", "## Step cost at `{base}` (batch 64, ngf 16, SSM-VR, MNIST batches)"),
@@ -368,6 +422,9 @@ def render(res: dict) -> str:
                            ("families", "## A cost line for every family ({base}; each experiment's batches)")):
         if section in res:
             lines += _cost_lines(res[section], title)
+    accept = res.get("acceptance")
+    if accept:
+        lines += _acceptance_lines(accept)
     frontier = res.get("frontier")
     if frontier:
         meta = frontier["meta"]
@@ -391,7 +448,7 @@ def render(res: dict) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", nargs="?", choices=("cost", "authors", "families", "frontier"))
+    ap.add_argument("section", nargs="?", choices=("cost", "authors", "families", "frontier", "acceptance"))
     ap.add_argument("--root", default=str(DATA_ROOT), help="data.root (MNIST)")
     ap.add_argument("--arms", default="", help=f"cost: comma-separated arms (default all: {', '.join(ARMS)})")
     ap.add_argument("--rounds", type=int, default=2)
@@ -400,7 +457,8 @@ def main(argv=None):
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="wall",
                     help="wall time, or the process's CPU time (one thread: robust to other processes' load)")
-    ap.add_argument("--runs", type=Path, default=None, help="frontier: a folder of 300-step run directories")
+    ap.add_argument("--runs", type=Path, default=None,
+                    help="frontier / acceptance: a folder of 300-step / 40-step run directories")
     ap.add_argument("--note", default=None, help="a markdown file: a finding, written below the section's table")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     result_options(ap)
@@ -411,13 +469,14 @@ def main(argv=None):
     if rendered(args, STEM, render):
         return
     if args.section is None:
-        ap.error("give a section (cost | authors | families | frontier) or --render")
+        ap.error("give a section (cost | authors | families | frontier | acceptance) or --render")
     placeholders = {str(args.runs): "<runs dir>"} if args.runs else None
     args.command = script_command(MODULE, argv, data_root=args.root, placeholders=placeholders)
     from benchmarks.lib.results import load_results, write_results
 
     res = load_results(args.out, STEM)
-    res[args.section] = run_frontier(args) if args.section == "frontier" else run_cost(args)
+    runner = {"frontier": run_frontier, "acceptance": run_acceptance}.get(args.section, run_cost)
+    res[args.section] = runner(args)
     write_results(args.out, STEM, res, render)
     print(render(res))
 

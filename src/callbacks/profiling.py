@@ -104,6 +104,7 @@ class ProfilingCallback(L.Callback):
         self._meter: SavedTensorsMeter | None = None
         self._t0 = 0.0
         self._deq_calls: list[dict] = []
+        self._blocks: list = []
         self._hooks: list = []
         self._collecting = False
         self.train_time_s = 0.0
@@ -121,7 +122,8 @@ class ProfilingCallback(L.Callback):
             self._deq_calls.append(dict(stats))
 
     def on_fit_start(self, trainer, pl_module):
-        self._hooks = [m.register_forward_hook(self._deq_hook) for _, m in blocks_of(pl_module)]
+        self._blocks = [m for _, m in blocks_of(pl_module)]
+        self._hooks = [m.register_forward_hook(self._deq_hook) for m in self._blocks]
 
     def on_fit_end(self, trainer, pl_module):
         for h in self._hooks:
@@ -159,6 +161,12 @@ class ProfilingCallback(L.Callback):
             rec["deq_iterations"] = mean(c["iterations"] for c in self._deq_calls)
             rec["deq_residual"] = max(float(c["residual"]) for c in self._deq_calls)
             rec["deq_hit_cap"] = float(sum(bool(c.get("hit_cap", False)) for c in self._deq_calls))
+        # the implicit backward's adjoint solves of this step (the block resets them at each forward solve): the
+        # most iterations of any level, and whether one ran to deq.max_iter
+        adjoint = [b.last_backward_stats for b in self._blocks if getattr(b, "last_backward_stats", None)]
+        if self._deq_calls and adjoint:
+            rec["deq_adjoint_iterations"] = float(max(a["iterations"] for a in adjoint))
+            rec["deq_adjoint_hit_cap"] = float(any(a.get("hit_cap", False) for a in adjoint))
         self.records.append(rec)
         pl_module.log_dict({f"profile/{k}": v for k, v in rec.items()}, on_step=True, on_epoch=False)
 
@@ -170,7 +178,7 @@ class ProfilingCallback(L.Callback):
         out = {"profile/time_per_step_s": mean(r["step_time_s"] for r in timed), "profile/steps": len(self.records),
                "profile/train_time_s": self.train_time_s}
         for key in ("saved_bytes", "peak_cuda_bytes", "peak_rss_bytes", "deq_iterations", "deq_residual",
-                    "deq_hit_cap"):
+                    "deq_hit_cap", "deq_adjoint_iterations", "deq_adjoint_hit_cap"):
             vals = [r[key] for r in self.records if key in r]
             if vals:
                 out[f"profile/{key}_mean"] = mean(vals)

@@ -130,9 +130,12 @@ class DEQBlock(nn.Module):
             self._warm.pop(next(iter(self._warm)))
 
     # solve ----------------------------------------------------------------------------------------
-    def _solver_kwargs(self) -> dict:
+    def _solver_kwargs(self, adjoint: bool = False) -> dict:
+        """The keyword arguments of :func:`solve`: the forward solve's, or (``adjoint``) the implicit backward's
+        adjoint solves' (``deq.backward_tol`` for the stop rule when set)."""
         c = self.config
-        return {"method": c.solver, "tol": float(c.tol), "max_iter": int(c.max_iter), "stop_mode": c.stop_mode,
+        tol = c.backward_tol if adjoint and c.backward_tol is not None else c.tol
+        return {"method": c.solver, "tol": float(tol), "max_iter": int(c.max_iter), "stop_mode": c.stop_mode,
                 "anderson_m": int(c.anderson_m), "anderson_beta": float(c.anderson_beta)}
 
     def fixed_point_map(self, x: torch.Tensor, *cond):
@@ -231,7 +234,7 @@ class DEQBlock(nn.Module):
         z0 = self._initial(x, params[0])
         if cfg.backward == "implicit":
             z = z_star = fixed_point(phi, z0, params, self._solver_kwargs(), self._report, cfg.exact_orders,
-                                     cfg.phantom_steps)
+                                     cfg.phantom_steps, adjoint_solver=self._solver_kwargs(adjoint=True))
         else:  # phantom gradient, Alg. 1
             detached = tuple(p.detach() for p in params)
             with record_function(PHASE_SOLVE):

@@ -45,6 +45,11 @@ class DEQConfig:
     # to max_iter; rel 1e-4 is three decades above that floor (benchmarks/results/deq_recurrence.md).
     tol: float = 1e-4
     stop_mode: str = "rel"
+    # The stop rule of the implicit backward's adjoint solves (v = ū + Jᵀv and the higher levels; the same
+    # stop_mode), None = tol. torchdeq's b_tol: the adjoint is a linear fixed point whose error enters the
+    # gradient once, not the state every later layer reads, so a looser rule may buy time at a bounded bias.
+    # A solver key like anderson_m: the phantom backward solves no adjoint and does not read it.
+    backward_tol: float | None = None
     max_iter: int = 128
     phantom_steps: int = 2
     warm_start: bool = True
@@ -115,6 +120,8 @@ class DEQConfig:
             raise ValueError(f"deq.phantom_steps must be >= 1 (K of Alg. 1), got {self.phantom_steps}")
         if float(self.tol) < 0:
             raise ValueError(f"deq.tol must be >= 0, got {self.tol}")
+        if self.backward_tol is not None and float(self.backward_tol) < 0:
+            raise ValueError(f"deq.backward_tol must be >= 0 (or null: deq.tol), got {self.backward_tol}")
         if self.exact_orders is not None:
             if int(self.exact_orders) < 0:
                 raise ValueError(f"deq.exact_orders must be >= 0 (or null: every order exact), got {self.exact_orders}")

@@ -147,18 +147,19 @@ def _prepared(phi: Callable, params: tuple) -> Callable:
 
 
 class _FixedPoint(torch.autograd.Function):
-    """u* = φ(u*; p). Inputs: (φ, solver kwargs, report, level, truncation, z0, *p). Output: u*.
+    """u* = φ(u*; p). Inputs: (φ, solvers, report, level, truncation, z0, *p). Output: u*.
+    ``solvers``: ``(forward, adjoint)`` keyword arguments of :func:`solve`, for level 0 and for every adjoint level.
     ``truncation``: ``(exact_orders, terms)`` — adjoints of level > exact_orders are ``terms``-term Neumann series
     (``exact_orders`` None: every level solved)."""
 
     @staticmethod
-    def forward(ctx, phi, solver, report, level, truncation, z0, *params):
+    def forward(ctx, phi, solvers, report, level, truncation, z0, *params):
         with torch.no_grad(), record_function(PHASE_SOLVE if level == 0 else PHASE_IMPLICIT_BACKWARD):
-            result = solve(_prepared(phi, params), z0, **solver)
+            result = solve(_prepared(phi, params), z0, **solvers[min(level, 1)])
         if report is not None:
             report(level, result)
         u = result.z
-        ctx.phi, ctx.solver, ctx.report, ctx.level, ctx.truncation = phi, solver, report, level, truncation
+        ctx.phi, ctx.solvers, ctx.report, ctx.level, ctx.truncation = phi, solvers, report, level, truncation
         ctx.save_for_backward(u, *params)  # u as an output: it comes back attached to this node
         return u
 
@@ -176,7 +177,7 @@ class _FixedPoint(torch.autograd.Function):
                 for _ in range(int(terms) - 1):
                     v = psi(v, u_bar, u, *aliases)
             else:
-                v = _FixedPoint.apply(_Adjoint(ctx.phi), ctx.solver, ctx.report, ctx.level + 1, ctx.truncation,
+                v = _FixedPoint.apply(_Adjoint(ctx.phi), ctx.solvers, ctx.report, ctx.level + 1, ctx.truncation,
                                       u_bar.detach(), u_bar, u, *aliases)
             out = ctx.phi(u, *aliases)  # partial VJP in p, u* held (and attached)
             grads = torch.autograd.grad(out, [aliases[i] for i in wanted], v, create_graph=create_graph,
@@ -188,13 +189,15 @@ class _FixedPoint(torch.autograd.Function):
 
 
 def fixed_point(phi: Callable, z0: torch.Tensor, params: tuple, solver: dict, report: Report | None = None,
-                exact_orders: int | None = None, terms: int = 1):
+                exact_orders: int | None = None, terms: int = 1, adjoint_solver: dict | None = None):
     """u* = φ(u*, *params), differentiable to every order w.r.t. ``params`` by implicit differentiation.
 
     ``phi(z, *params)`` must be a pure function of its tensor arguments; ``solver`` holds the keyword
     arguments of :func:`src.deq.solvers.solve`; ``report(level, result)`` is called after every solve
     (level 0 forward, level k ≥ 1 the k-th nested adjoint) for statistics and warnings. ``exact_orders``: the
     derivative orders solved exactly (None: all); the adjoints of higher orders are ``terms``-term Neumann series
-    (see the module docstring).
+    (see the module docstring). ``adjoint_solver``: the keyword arguments of every adjoint level's solve (None:
+    ``solver``'s) — e.g. a looser stop rule for the linear adjoint fixed points, as torchdeq's ``b_tol``.
     """
-    return _FixedPoint.apply(phi, solver, report, 0, (exact_orders, int(terms)), z0.detach(), *params)
+    solvers = (solver, solver if adjoint_solver is None else adjoint_solver)
+    return _FixedPoint.apply(phi, solvers, report, 0, (exact_orders, int(terms)), z0.detach(), *params)

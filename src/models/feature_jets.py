@@ -146,7 +146,8 @@ def _deq_jet(net: DEQNet, x: torch.Tensor) -> Jet:
         l_inj = _zeros_like_laplacian(inj)
         with record_function(PHASE_JET_STEPS):
             state = fixed_point(JetMap(), state0, (inj[0], inj[1], l_inj, w1, *rest), block._solver_kwargs(),
-                                block._report, block.config.exact_orders, block.config.phantom_steps)
+                                block._report, block.config.exact_orders, block.config.phantom_steps,
+                                adjoint_solver=block._solver_kwargs(adjoint=True))
         z, jz, lz = state[:, 0], state[:, 1:-1], state[:, -1]
     else:
         detached = tuple(p.detach() for p in params)
