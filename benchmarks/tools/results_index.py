@@ -76,7 +76,8 @@ SHOWS = {
                    "early stopping with patience 20): DEQ-SM and SM 16-layer, 3 seeds each, beside the paper and "
                    "the ground-truth log-likelihood.",
     "ncsn_deq_cost": "The NCSN DEQ's step by implicit-backward level (time, bytes saved) at ncsn_mnist and at the "
-                     "authors' CIFAR-10 settings, and the cheaper routes tried over 300 steps (which diverge).",
+                     "authors' CIFAR-10 settings, the 40-step acceptance runs beside TwoRes, and the cheaper routes "
+                     "tried over 300 steps.",
     "ais_bias": "AIS log p(x) against the exact one (quadrature over a 2-d latent) on a Bernoulli decoder: the "
                 "error in nats and how often the estimate lies above the truth, per step-size rule and number of "
                 "steps T.",
@@ -165,7 +166,9 @@ SHOWS = {
     "notes/ncsn_protocol": "How experiment=ncsn_mnist_long's NCSN protocol was chosen: probes A and B side by side, "
                            "NCSNv2's rules computed for MNIST.",
     "notes/ncsn_deq_cost_frontier": "The note printed under `ncsn_deq_cost.md`'s frontier table (`--note`): why "
-                                    "two routes stop early, and the runs not kept.",
+                                    "two routes stop early, the runs not kept, the backward tolerance's runs.",
+    "notes/ncsn_deq_cost_acceptance": "The note printed under `ncsn_deq_cost.md`'s acceptance table (`--note`): "
+                                      "how the 40-step runs were run, and the ratios over rounds.",
     "notes/dkef_issue14": "The note printed above `dkef.md`'s tables (`--note`): the DEQ rows re-measured with "
                           "the linear injection.",
     "notes/issue29_remeasure": "Before/after of the NCSN and VAE MNIST curves re-measured with the corrected "
