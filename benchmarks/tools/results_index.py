@@ -36,6 +36,7 @@ REBUILT_BY = {
     "ncsn_protocol_probe_a": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_a",
     "vae_mnist_campaign": "benchmarks.tools.generative_seeds vae --render --name vae_mnist_campaign",
     "ncsn_protocol_probe_b": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_b",
+    "ncsn_long_campaign_seed0": "benchmarks.tools.training_curves ncsn_long --render --name ncsn_long_campaign_seed0",
     "ncsn_deq_cost": "benchmarks.studies.ncsn_deq_cost --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
     "faults": "benchmarks.tools.fault_table --render",
@@ -127,6 +128,8 @@ SHOWS = {
     "ncsn_protocol_probe_a": "NCSN protocol probe A (issue 48): DSM TwoRes, batch 32, EMA 0.999, "
                              "experiment=ncsn_mnist's noise (σ 1 → 0.01, 10 levels, T = 20, ε 2e-5, denoised): "
                              "FID of 500 samples at 1500 and 3000 steps (`notes/ncsn_protocol.md`).",
+    "ncsn_long_campaign_seed0": "The NCSN decision of issue 48 at experiment=ncsn_mnist_long, seed 0's curves (FID of "
+                                "1000 samples every 1500 steps, test DSM / SSM-VR), the arms landed so far.",
     "ncsn_protocol_probe_b": "NCSN protocol probe B (issue 48): the same with NCSNv2's rules (σ₁ 16.9, 95 levels, "
                              "unconditional network, T = 5, ε 1.1e-5): FID of 500 samples (`notes/ncsn_protocol.md`).",
     "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "
