@@ -293,16 +293,11 @@ def read_run(run_dir: Path) -> dict:
     loss = [(int(r["step"]), float(r["train/loss_step"])) for r in rows if r.get("train/loss_step")]
     caps = sum(float(r["profile/deq_hit_cap"]) for r in rows if r.get("profile/deq_hit_cap"))
     its = [float(r["profile/deq_iterations"]) for r in rows if r.get("profile/deq_iterations")]
-    overrides = (run_dir / ".hydra" / "overrides.yaml")
-    from omegaconf import OmegaConf
-
-    cmd = list(OmegaConf.load(overrides)) if overrides.exists() else []
-    cmd = [c for c in cmd if not c.startswith(("data.root=", "hydra.run.dir="))]
 
     def num(key):
         return float(last[key]) if last.get(key) else None
 
-    return {"command": "python -m src.train " + " ".join([*cmd, "data.root=<data dir>"]),
+    return {"command": _train_command(_run_overrides(run_dir)),
             "last_step": loss[-1][0] + 1 if loss else 0, "val_dsm": num("val/dsm_loss"),
             "share": num("val/deq_recurrence_share"), "contraction": num("val/deq_contraction_rate"),
             "logged_cap_hits": caps, "max_iterations": max(its) if its else None,
@@ -317,6 +312,19 @@ def run_frontier(args) -> dict:
     return {"meta": {"command": args.command, "note": _note(args)}, "runs": runs}
 
 
+def _run_overrides(run_dir: Path) -> list[str]:
+    """A run's command-line overrides (``.hydra/overrides.yaml``) without the machine's data root and run folder."""
+    from omegaconf import OmegaConf
+
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    return [c for c in (OmegaConf.load(overrides) if overrides.exists() else [])
+            if not c.startswith(("data.root=", "hydra.run.dir="))]
+
+
+def _train_command(overrides: list[str]) -> str:
+    return "python -m src.train " + " ".join([*overrides, "data.root=<data dir>"])
+
+
 def read_acceptance_run(run_dir: Path) -> dict:
     """A 40-step acceptance run (``<tag>_r<round>_<arm>``): its command, the profiling callback's seconds and saved
     bytes per step, forward solver iterations, and CPU over wall time (≈ 1: its core was not shared)."""
@@ -325,12 +333,10 @@ def read_acceptance_run(run_dir: Path) -> dict:
     m = json.loads((run_dir / "metrics.json").read_text())
     config = run_dir / ".hydra" / "config.yaml"
     deq = OmegaConf.load(config).get("deq", {}) if config.exists() else {}
-    overrides = run_dir / ".hydra" / "overrides.yaml"
-    cmd = [c for c in (OmegaConf.load(overrides) if overrides.exists() else [])
-           if not c.startswith(("data.root=", "hydra.run.dir="))]
-    return {"command": "python -m src.train " + " ".join([*cmd, "data.root=<data dir>"]),
-            "arm": " ".join(c for c in cmd if c.startswith(("deq", "depth"))),
-            "round": int(run_dir.name.split("_r")[1].split("_")[0]) if "_r" in run_dir.name else 1,
+    cmd = _run_overrides(run_dir)
+    tag, _, rest = run_dir.name.partition("_r")
+    return {"command": _train_command(cmd), "arm": " ".join(c for c in cmd if c.startswith(("deq", "depth"))),
+            "tag": tag, "round": int(rest.split("_")[0]) if rest else 1,
             "s_per_step": m["profile/time_per_step_s"], "saved_MB": m["profile/saved_bytes_mean"] / MB,
             "iterations": m.get("profile/deq_iterations_mean"), "cpu_over_wall": m["time/fit_cpu_s"] / m["time/fit_s"],
             # the adjoint solves' stop rule the run had (deq.backward_tol, else deq.tol; none without a DEQ)
@@ -413,12 +419,12 @@ def _acceptance_lines(accept: dict) -> list[str]:
               "time per step after the first); each arm is compared with the TwoRes run (`deq=false depth=1`) of its "
               "round; CPU / wall ≈ 1 says the run had its core to itself."), ""]
     lines += note_lines(meta)
-    twores = {(name.split("_r")[0], r["round"]): r for name, r in runs.items() if r["arm"] == "deq=false depth=1"}
+    twores = {(r["tag"], r["round"]): r for r in runs.values() if r["arm"] == "deq=false depth=1"}
     head = ["run", "overrides", "adjoint tol", "round", "s/step", "× TwoRes", "saved MB", "× TwoRes", "fwd iters",
             "adjoint iters", "CPU / wall"]
     body = []
     for name, r in runs.items():
-        base = twores.get((name.split("_r")[0], r["round"]))
+        base = twores.get((r["tag"], r["round"]))
         tol = r.get("adjoint_tol")
         body.append([name, f"`{r['arm']}`", "–" if tol is None else f"{tol:g}", str(r["round"]),
                      _f(r["s_per_step"], 3), _f(r["s_per_step"] / base["s_per_step"]) if base else "–",
