@@ -145,7 +145,8 @@ def checkpoint_study(ap: argparse.ArgumentParser, args, module: str, render: Cal
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     overrides = [f"data.root={args.root}"] if args.root else []
-    res = {"meta": {"machine": machine_facts(), "command": script_command(module), "n": args.n, **meta,
+    res = {"meta": {"machine": machine_facts(), "command": script_command(module, data_root=args.root), "n": args.n,
+                    **meta,
                     "seed": args.seed, "note": Path(args.note).read_text() if args.note else None},
            "checkpoints": {}}
     for label, path in args.ckpt:

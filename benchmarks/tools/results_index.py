@@ -45,6 +45,7 @@ REBUILT_BY = {
     "ncsn_memory": "benchmarks.tools.step_cost ncsn --render",
     "ncsn_sampler_update": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_sampler_update",
     "ncsn_sampler_drift": "benchmarks.studies.ncsn_sampler_drift --render",
+    "ncsn_share_by_level": "benchmarks.studies.ncsn_share_by_level --render",
     "ncsn_white_out": "benchmarks.studies.ncsn_sampler_drift --render --name ncsn_white_out",
     "nice": "benchmarks.tools.run_grid nice --render",
     "profile_step": "benchmarks.tools.profile_step --render",
@@ -149,6 +150,9 @@ SHOWS = {
                                      " Measured before issue 29 (the old half Langevin step).",
     "ncsn_phantom_bias": "Per checkpoint: the SSM-VR loss with the phantom backward (K = 1, 2, 4, 8) vs the exact "
                          "implicit one, and the learned map's contraction rate.",
+    "ncsn_share_by_level": "Issue 48: the NCSN campaign's DEQ of record, per noise level and checkpoint: its "
+                           "recurrence share, solver iterations and contraction rate; why the logged share fell "
+                           "to 6.2 % (it looked at the 16 largest of 95 σ) while the all-level share is 12.9 → 10.0 %.",
     "ncsn_sampler_drift": "Annealed Langevin trajectories vs noisy data per noise level: the network's predicted "
                           "noise and the pixel statistics along the sampler.",
     "ncsn_white_out": "Issue 41: why the decision grid's 300-step NCSNs white out — the same per-level trajectory "
@@ -170,6 +174,8 @@ SHOWS = {
                            "NCSNv2's rules computed for MNIST.",
     "notes/ncsn_deq_cost_frontier": "The note printed under `ncsn_deq_cost.md`'s frontier table (`--note`): why "
                                     "two routes stop early, the runs not kept, the backward tolerance's runs.",
+    "notes/ncsn_share_by_level": "The note printed under `ncsn_share_by_level.md` (`--note`): the checkpoints "
+                                 "measured and the finding.",
     "notes/ncsn_deq_cost_acceptance": "The note printed under `ncsn_deq_cost.md`'s acceptance table (`--note`): "
                                       "how the 40-step runs were run, and the ratios over rounds.",
     "notes/dkef_issue14": "The note printed above `dkef.md`'s tables (`--note`): the DEQ rows re-measured with "
