@@ -104,3 +104,13 @@ def test_dry_run_trains_tests_merges_and_compares_two_seeds(mnist_root, grid, de
     assert "2 processes at once" in md and "Caution: these runs trained up to 2 processes" in md
     for text in ((out / f"{grid}_mnist_seeds.json").read_text(), md):
         assert str(ROOT) not in text
+
+
+def test_a_user_override_replaces_the_protocols_value_of_its_key_once():
+    """--eval-extra 'model.metrics.fid.bootstrap=100' on the VAE protocol (which sets the same) records it once; a
+    different value replaces the protocol's in place; new keys follow."""
+    merged = seeds_campaign.merged_overrides
+    assert merged("model.metrics.fid.bootstrap=100", "model.metrics.fid.bootstrap=100") == \
+        "model.metrics.fid.bootstrap=100"
+    assert merged("a=1 b=2", "b=3 c=4") == "a=1 b=3 c=4"
+    assert merged("a=1", None) == "a=1" and merged("", "x=1") == "x=1" and merged("", None) == ""

@@ -92,18 +92,16 @@ FAMILY_ARMS = {
 FAMILY_EXTRA = {("ncsn", "paper"): "deq.block=null deq.backward=phantom", ("ncsn", "explicit"): "depth=1"}
 # The paper authors' code's CIFAR-10 SSM-VR settings (benchmarks/lib/step_cost/ncsn.py, ncsn_memory.md's first table):
 # 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, Gaussian projections, cond_norm; uniform images, seeded.
-AUTHORS_ARMS = {  # arm: (arch, deq, depth, deq overrides of benchmarks.lib.step_cases.deq_settings)
-    "twores": ("deq", False, 1, {}),
-    "record_plain_norms": ("deq", True, None, {"block": "normalized_residual", "backward": "implicit", "norm": None,
-                                               "norm_lambda": None, "tol": 1e-4, "stop_mode": "rel"}),
-    "record": ("deq", True, None, {"block": "normalized_residual", "backward": "implicit", "norm": None,
-                                   "norm_lambda": None, "tol": 1e-4, "stop_mode": "rel"}),
-    "paper": ("deq", True, None, {"tol": 1e-4, "stop_mode": "rel"}),
-    "record_adjoint_tol_1e-2": ("deq", True, None, {"block": "normalized_residual", "backward": "implicit", "norm": None,
-                                                    "norm_lambda": None, "tol": 1e-4, "stop_mode": "rel",
-                                                    "backward_tol": 1e-2}),
+RECORD_AUTHORS = {"block": "normalized_residual", "backward": "implicit", "norm": None, "norm_lambda": None,
+                  "tol": 1e-4, "stop_mode": "rel"}
+AUTHORS_ARMS = {  # arm: (arch, deq, depth, deq overrides of benchmarks.lib.step_cases.deq_settings, what it is)
+    "twores": ("deq", False, 1, {}, ARMS["twores"][1]),
+    "record_plain_norms": ("deq", True, None, RECORD_AUTHORS, ARMS["record_plain_norms"][1]),
+    "record": ("deq", True, None, RECORD_AUTHORS, ARMS["record"][1]),
+    "paper": ("deq", True, None, {"tol": 1e-4, "stop_mode": "rel"}, ARMS["paper"][1]),
+    "record_adjoint_tol_1e-2": ("deq", True, None, {**RECORD_AUTHORS, "backward_tol": 1e-2},
+                                "the record with its adjoint solves at relative 1e-2"),
 }
-AUTHORS_ONLY = {"record_adjoint_tol_1e-2": "the record with its adjoint solves at relative 1e-2 (deq.backward_tol)"}
 
 
 # ------------------------------------------------------------------------------------------ one arm (worker)
@@ -169,7 +167,7 @@ def worker(spec: dict) -> dict:
         from benchmarks.lib.step_cost.ncsn import AUTHORS_SETTINGS
         from benchmarks.lib.step_cost.ncsn import build as build_ncsn
 
-        arch, deq, depth, overrides = AUTHORS_ARMS[spec["arm"]]
+        arch, deq, depth, overrides, _ = AUTHORS_ARMS[spec["arm"]]
         module = build_ncsn(arch, deq, depth, 128, "cpu", overrides, **AUTHORS_SETTINGS)
         g = torch.Generator().manual_seed(0)
         batches = iter([torch.rand(4, 3, 32, 32, generator=g) for _ in range(64)])
@@ -232,20 +230,23 @@ def family_arms(families: list[str]) -> dict[str, tuple[str, str]]:
             for family in families for arm, (ov, what) in FAMILY_ARMS.items()}
 
 
+def authors_arms() -> dict[str, tuple[str, str]]:
+    """arm → (its deq settings as overrides, what it is) of the ``authors`` section (:data:`AUTHORS_ARMS`)."""
+    return {arm: ("deq=false depth=1" if not deq else
+                  " ".join(f"deq.{k}={'null' if v is None else v}" for k, v in overrides.items()), what)
+            for arm, (_, deq, _, overrides, what) in AUTHORS_ARMS.items()}
+
+
 def run_cost(args) -> dict:
-    if args.section == "families":
-        catalogue = family_arms(list(FAMILY_BASE))
-    else:
-        catalogue = ARMS
-    known = AUTHORS_ARMS if args.section == "authors" else catalogue
-    arms = args.arms.split(",") if args.arms else list(known)
-    unknown = [a for a in arms if a not in known]
+    catalogue = {"families": family_arms(list(FAMILY_BASE)), "authors": authors_arms()}.get(args.section, ARMS)
+    arms = args.arms.split(",") if args.arms else list(catalogue)
+    unknown = [a for a in arms if a not in catalogue]
     if unknown:
-        raise SystemExit(f"unknown arm(s) {', '.join(unknown)}; valid: {', '.join(known)}")
+        raise SystemExit(f"unknown arm(s) {', '.join(unknown)}; valid: {', '.join(catalogue)}")
     records: dict[str, list] = collections.defaultdict(list)
     for r in range(args.rounds):
         for arm in (arms if r % 2 == 0 else arms[::-1]):
-            spec = {"arm": arm, "overrides": catalogue.get(arm, ("",))[0], "root": args.root,
+            spec = {"arm": arm, "overrides": catalogue[arm][0], "root": args.root,
                     "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "setting": args.section,
                     "family": arm.split("/")[0] if args.section == "families" else None, "clock": args.clock}
             print(f"round {r + 1}/{args.rounds}: {arm} …", flush=True)
@@ -260,10 +261,7 @@ def run_cost(args) -> dict:
     for arm, steps in records.items():
         last = steps[-1]
         phases = sorted({p for s in steps for p in s["seconds_by_phase"]})
-        shown = catalogue[arm][0] if args.section != "authors" else (
-            "deq=false depth=1" if not AUTHORS_ARMS[arm][1] else
-            " ".join(f"deq.{k}={'null' if v is None else v}" for k, v in AUTHORS_ARMS[arm][3].items()))
-        what = catalogue[arm][1] if arm in catalogue else AUTHORS_ONLY[arm]
+        shown, what = catalogue[arm]
         rows[arm] = {"overrides": shown, "what": what, "steps": len(steps),
                      "s_per_step": statistics.median(s["s"] for s in steps),
                      "saved_MB": statistics.median(s["saved_MB"] for s in steps),

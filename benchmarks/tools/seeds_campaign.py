@@ -99,6 +99,16 @@ def part_command(args, seed: int, variant: str) -> list[str]:
             *(() if seed in args.curve_seeds else ("--test-every", str(args.steps)))]
 
 
+def merged_overrides(protocol: str, user: str | None) -> str:
+    """``key=value`` overrides of the protocol and then the user's, space separated, each key once: a key the user
+    gives replaces the protocol's value where the protocol had it (Hydra would take the later of two anyway, but a
+    recorded command that names a key twice reads as two settings)."""
+    merged: dict[str, str] = {}
+    for item in f"{protocol} {user or ''}".split():
+        merged[item.split("=", 1)[0]] = item
+    return " ".join(merged.values())
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("grid", choices=sorted(GRIDS))
@@ -128,8 +138,8 @@ def main(argv=None) -> dict:
 
     preset = (DRY if args.dry_run else PROTOCOL)[args.grid]
     for key, value in preset.items():
-        if key in ("extra", "eval_extra"):  # added to the protocol's overrides (a later one wins in Hydra)
-            setattr(args, key, " ".join(x for x in (value, getattr(args, key)) if x))
+        if key in ("extra", "eval_extra"):  # added to the protocol's overrides; the user's value of a key wins
+            setattr(args, key, merged_overrides(value, getattr(args, key)))
         elif getattr(args, key) is None:
             setattr(args, key, value)
     if args.gpu and args.dry_run:
@@ -139,8 +149,8 @@ def main(argv=None) -> dict:
 
         if not torch.cuda.is_available():
             raise SystemExit("seeds_campaign: --gpu but no CUDA device is visible; drop --gpu to run on the CPU")
-        args.extra = f"{args.extra} {GPU}".strip()
-        args.eval_extra = f"{args.eval_extra} {GPU}".strip()
+        args.extra = merged_overrides(args.extra, GPU)
+        args.eval_extra = merged_overrides(args.eval_extra, GPU)
     args.name = args.name or f"{args.grid}_mnist_seeds"
     base = ROOT / "outputs" / "seeds_campaign_dry_run" if args.dry_run else None
     args.work = (args.work or (base / "work" if base else ROOT / "outputs" / "benchmarks" / "seeds" / args.grid)).resolve()
