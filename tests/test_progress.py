@@ -120,6 +120,16 @@ def test_phase_is_silent_without_a_trainer_or_on_other_ranks(capsys, monkeypatch
     with progress.phase(None, "shown", total=3, force=True) as advance:  # scripts may ask for a bar
         advance(3)
     assert "shown" in capsys.readouterr().err
+    with progress.outside_a_trainer():  # a benchmark calling module.sample: the module's phases show
+        with progress.phase(torch.nn.Linear(1, 1), "a module's phase", total=3) as advance:
+            advance(3)
+        with progress.phase(Rank1(), "rank 1 stays quiet", total=3) as advance:  # a Trainer decides for itself
+            advance(3)
+    err = capsys.readouterr().err
+    assert "a module's phase" in err and "rank 1" not in err
+    with progress.phase(None, "quiet again", total=3) as advance:  # only inside the block
+        advance(3)
+    assert capsys.readouterr().err == ""
 
 
 def test_an_unconfigured_process_still_gets_the_log_lines_on_stderr():

@@ -142,6 +142,7 @@ def checkpoint_study(ap: argparse.ArgumentParser, args, module: str, render: Cal
     import torch
 
     from src.runs.load import load_module
+    from src.runtime import progress
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     overrides = [f"data.root={args.root}"] if args.root else []
@@ -151,7 +152,9 @@ def checkpoint_study(ap: argparse.ArgumentParser, args, module: str, render: Cal
            "checkpoints": {}}
     for label, path in args.ckpt:
         module = load_module(path, overrides)[0]
-        res["checkpoints"][label] = {"checkpoint": path, **measure(module)}
+        print(f"{label}: measuring", flush=True)
+        with progress.outside_a_trainer():  # a module's long phases (sampling, metrics) show progress here too
+            res["checkpoints"][label] = {"checkpoint": path, **measure(module)}
         write_results(args.out, args.name, res, render)
         print(f"{label}: done", flush=True)
     print(f"-> {Path(args.out) / args.name}.md")

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from benchmarks.lib.results import RESULTS, machine_facts, rerender, script_command, write_results
 from src.reports.tables import markdown_table
+from src.runtime import progress
 from src.sampling.annealed_langevin import UPDATES
 
 
@@ -326,7 +327,9 @@ def main(argv: list[str] | None = None) -> None:
         module.sampling = {**module.sampling, "step_lr": lr, "n_steps_each": t, "denoise": bool(args.denoise),
                            "update": update}
         start = time.perf_counter()
-        y = module.sample(args.n, generator=torch.Generator().manual_seed(args.seed))
+        print(f"setting ε {lr:g}, T {t}, {update}: sampling {args.n} images", flush=True)
+        with progress.outside_a_trainer():  # the sampler's levels × steps as progress lines / a bar
+            y = module.sample(args.n, generator=torch.Generator().manual_seed(args.seed))
         seconds = time.perf_counter() - start
         outside = float(((y < 0) | (y > 1)).float().mean())  # model space = [0, 1] pixels for MNIST
         images = dm.to_pixels(y).float()

@@ -12,7 +12,8 @@ loss D backward passes per point). :func:`phase` shows such a phase as its own t
 - otherwise (another progress bar, e.g. ``callbacks=minimal``'s default one) as a ``tqdm`` bar on stderr;
 - as log lines (start, every tenth, end, with the time left) when stderr is not a terminal (log files);
 - silent — ``advance`` does nothing — with ``trainer.enable_progress_bar=false``, on ranks other than 0, and
-  outside a Trainer (scripts, benchmarks), unless ``force=True``.
+  outside a Trainer, unless ``force=True`` or inside :func:`outside_a_trainer` (scripts and benchmarks that call a
+  module's sampler or metrics themselves).
 """
 
 from __future__ import annotations
@@ -27,8 +28,25 @@ Advance = Callable[[int], None]
 log = logging.getLogger(__name__)
 
 
+_shown_without_trainer = False  # set by outside_a_trainer()
+
+
 def _noop(n: int = 1) -> None:
     return None
+
+
+@contextlib.contextmanager
+def outside_a_trainer() -> Iterator[None]:
+    """Show the phases a script runs without a Trainer (a benchmark calling ``module.sample``): inside this block
+    every :class:`Phase` shows as if ``force=True`` — bars on a terminal, log lines (made visible by
+    :func:`ensure_log_lines`) in a log file."""
+    global _shown_without_trainer
+    ensure_log_lines()
+    before, _shown_without_trainer = _shown_without_trainer, True
+    try:
+        yield
+    finally:
+        _shown_without_trainer = before
 
 
 def ensure_log_lines() -> None:
@@ -93,7 +111,7 @@ class Phase:
         self._bar = self._task = self._tqdm = None
         self._log = False
         trainer = _trainer_of(owner)
-        if not (force or enabled(trainer)):
+        if not (force or enabled(trainer) or (trainer is None and _shown_without_trainer)):
             return
         total = None if total is None else int(total)
         self.description, self.total, self.done, self._t0, self._next = description, total, 0, time.monotonic(), 0.1
