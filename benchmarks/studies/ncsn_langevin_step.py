@@ -311,7 +311,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         real_fid = res["meta"]["real_fid"]
     res["meta"] = {**res.get("meta", {}),
-                   "machine": machine_facts(), "command": script_command("benchmarks.studies.ncsn_langevin_step"),
+                   "machine": machine_facts(),
+                   "command": script_command("benchmarks.studies.ncsn_langevin_step", data_root=args.root),
                    "train_command": args.train_command, "checkpoint": args.ckpt, "n": args.n, "seed": args.seed,
                    "denoise": bool(args.denoise), "real_fid": real_fid,
                    "note": Path(args.note).read_text() if args.note else None,
