@@ -131,7 +131,7 @@ def checkpoint_options(ap: argparse.ArgumentParser, name: str, what: str) -> Non
 def checkpoint_study(ap: argparse.ArgumentParser, args, module: str, render: Callable[[dict], str],
                      measure: Callable[[object], dict], **meta) -> None:
     """Run a study parsed with :func:`checkpoint_options`: ``measure(module)`` for each ``--ckpt`` (loaded by
-    ``src.sample.load_module``, torch threads from ``OMP_NUM_THREADS``), ``<out>/<name>.json`` and ``.md``
+    ``src.runs.load.load_module``, torch threads from ``OMP_NUM_THREADS``), ``<out>/<name>.json`` and ``.md``
     rewritten after each; ``meta`` (the study's settings) is recorded beside the machine and the command.
     With ``--render`` only the markdown is rebuilt from the saved JSON."""
 
