@@ -15,6 +15,7 @@ share of pixels above ``src.metrics.fid.WHITE`` (0.99), and with ``--bootstrap B
         [--update euler authors] [--bootstrap 100]      # the step rule axis; each FID's bootstrap sd
         [--grid-step-lr 5e-5 --grid-n-steps-each 30]   # also write a sample grid of that setting
         [--keep-samples DIR]                            # each setting's images as DIR/eps<ε>_T<T>.pt
+        [--override deq.warm_start=false --name N]      # the checkpoint's run config changed (a controlled run)
     python -m benchmarks.studies.ncsn_langevin_step --render   # rebuild the markdown from the JSON
     python -m benchmarks.studies.ncsn_langevin_step --merge A.json B.json [--name N]   # settings run side by side
         [--keep-samples DIR --grid-step-lr ε --grid-n-steps-each T]   # + the grid of a kept setting
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--paired-bootstrap", type=int, default=0,
                     help="with --merge and --keep-samples: each other update's FID difference from the Euler step's "
                          "and its paired bootstrap sd over this many draws")
+    ap.add_argument("--override", nargs="*", default=[],
+                    help="run-config overrides for the loaded checkpoint (deq.warm_start=false); use another --name")
     ap.add_argument("--train-command", default="", help="recorded in the results: how the checkpoint was trained")
     ap.add_argument("--note", default=None, help="a markdown file appended to the table (the finding)")
     ap.add_argument("--out", default=str(RESULTS))
@@ -293,13 +296,16 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--bootstrap: 0 (off) or at least 2 draws")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     trust = {"trust": True} if args.trust_checkpoint else {}
-    module, dm, _, _ = load_module(args.ckpt, [f"data.root={args.root}"] if args.root else [], **trust)
+    overrides = [*([f"data.root={args.root}"] if args.root else []), *args.override]
+    module, dm, _, _ = load_module(args.ckpt, overrides, **trust)
     if not hasattr(module, "net") or not hasattr(module.net, "sigmas"):
         raise SystemExit(f"{args.ckpt}: not an NCSN checkpoint (model=ncsn)")
     json_path = Path(args.out) / f"{args.name}.json"
     res = json.loads(json_path.read_text()) if json_path.exists() else {"settings": {}}
-    if res.get("meta", {}).get("checkpoint") not in (None, args.ckpt) or res.get("meta", {}).get("n") not in (None, args.n):
-        raise SystemExit(f"{json_path} holds another checkpoint or --n: choose another --name")
+    held = res.get("meta", {})
+    if (held.get("checkpoint") not in (None, args.ckpt) or held.get("n") not in (None, args.n)
+            or (held and held.get("overrides", []) != args.override)):
+        raise SystemExit(f"{json_path} holds another checkpoint, --n or --override: choose another --name")
     fid = build_fid("mnist", reset_real_features=False)
     real = dm.to_pixels(dm.split_tensor("test", args.n)).float()
     fid.update(real, real=True)
@@ -314,7 +320,7 @@ def main(argv: list[str] | None = None) -> None:
                    "machine": machine_facts(),
                    "command": script_command("benchmarks.studies.ncsn_langevin_step", data_root=args.root),
                    "train_command": args.train_command, "checkpoint": args.ckpt, "n": args.n, "seed": args.seed,
-                   "denoise": bool(args.denoise), "real_fid": real_fid,
+                   "denoise": bool(args.denoise), "real_fid": real_fid, "overrides": list(args.override),
                    "note": Path(args.note).read_text() if args.note else None,
                    **({"bootstrap_draws": args.bootstrap, "bootstrap_both": True} if args.bootstrap else {})}
     settings = [(lr, t, u) for u in args.update for t in args.n_steps_each for lr in args.step_lr]
