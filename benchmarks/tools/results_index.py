@@ -46,6 +46,7 @@ REBUILT_BY = {
     "ncsn_sampler_update": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_sampler_update",
     "ncsn_sampler_drift": "benchmarks.studies.ncsn_sampler_drift --render",
     "ncsn_langevin_step_long": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_langevin_step_long",
+    "ncsn_langevin_warm_start": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_langevin_warm_start",
     "ncsn_share_by_level": "benchmarks.studies.ncsn_share_by_level --render",
     "ncsn_white_out": "benchmarks.studies.ncsn_sampler_drift --render --name ncsn_white_out",
     "nice": "benchmarks.tools.run_grid nice --render",
@@ -153,6 +154,9 @@ SHOWS = {
                          "implicit one, and the learned map's contraction rate.",
     "ncsn_langevin_step_long": "Issue 48: the long protocol's Langevin step ε on the campaign's TwoRes seed 0 at "
                                "6000 steps (FID of 500 samples): the rule's 1.1e-5 gives 241.8, 2.2e-5 197.9.",
+    "ncsn_langevin_warm_start": "Issue 48: the campaign's DEQ of record (seed 0, 6000 steps) sampled with and "
+                                "without the solver's warm start: FID 306.0 both (250 samples); not the cause of "
+                                "its gap to TwoRes.",
     "ncsn_share_by_level": "Issue 48: the NCSN campaign's DEQ of record, per noise level and checkpoint: its "
                            "recurrence share, solver iterations and contraction rate; why the logged share fell "
                            "to 6.2 % (it looked at the 16 largest of 95 σ) while the all-level share is 12.9 → 10.0 %.",
@@ -179,6 +183,8 @@ SHOWS = {
                                     "two routes stop early, the runs not kept, the backward tolerance's runs.",
     "notes/ncsn_langevin_step_long": "The note printed under `ncsn_langevin_step_long.md`: what the ε sweep "
                                      "found and why the campaign keeps the protocol's ε.",
+    "notes/ncsn_langevin_warm_start": "The note printed above `ncsn_langevin_warm_start.md`'s sections: the "
+                                      "question, the commands, the answer.",
     "notes/ncsn_share_by_level": "The note printed under `ncsn_share_by_level.md` (`--note`): the checkpoints "
                                  "measured and the finding.",
     "notes/ncsn_deq_cost_acceptance": "The note printed under `ncsn_deq_cost.md`'s acceptance table (`--note`): "
