@@ -13,7 +13,7 @@ import torch
 from benchmarks.studies.ncsn_share_by_level import level_rows, summary
 from src.deq.config import DEQConfig
 from src.deq.diagnostics import recurrence_share
-from src.lit.ncsn import diagnostic_levels
+from src.lit.ncsn import VAL_CONTRACTION_POINTS, diagnostic_levels
 from src.models.ncsn import NCSN, geometric_sigmas
 
 
@@ -37,6 +37,7 @@ def test_summary_averages_the_levels_each_measure_looks_at():
     s = summary(rows)
     assert s["all_levels"] == pytest.approx(0.47)  # mean of 0…94
     assert s["old_diagnostic"] == pytest.approx(0.075)  # mean of 0…15: the 16 largest σ
+    assert VAL_CONTRACTION_POINTS == 16  # the logged diagnostic's images, spread over the 95 levels
     assert s["spread_diagnostic"] == pytest.approx(sum(diagnostic_levels(16, 95).tolist()) / 1600)
     assert (s["high_sigma_third"], s["mid_sigma_third"], s["low_sigma_third"]) == pytest.approx((0.15, 0.465, 0.785))  # 0…30, 31…62, 63…94
     assert s["iterations_mean"] == pytest.approx(5 + 1 / 95) and s["hit_cap_levels"] == 1

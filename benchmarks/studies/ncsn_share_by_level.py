@@ -31,7 +31,7 @@ import argparse
 from benchmarks.lib.results import checkpoint_options, checkpoint_study, note_lines
 from src.reports.tables import markdown_table
 
-OLD_DIAGNOSTIC_POINTS = 16  # src.lit.ncsn.VAL_CONTRACTION_POINTS: images j = 0…15 at level j mod L before the spread
+OLD_DIAGNOSTIC_POINTS = 16  # the diagnostic's images before the spread: j = 0…15 at level j mod L (history, fixed)
 
 
 def level_rows(module, n: int, seed: int, rate_every: int) -> list[dict]:
@@ -60,7 +60,7 @@ def level_rows(module, n: int, seed: int, rate_every: int) -> list[dict]:
 
 def summary(rows: list[dict]) -> dict[str, float]:
     """Mean share over all levels, over the old and the new diagnostic's levels, and over each third."""
-    from src.lit.ncsn import diagnostic_levels
+    from src.lit.ncsn import VAL_CONTRACTION_POINTS, diagnostic_levels
 
     L = len(rows)
 
@@ -71,7 +71,7 @@ def summary(rows: list[dict]) -> dict[str, float]:
     thirds = [range(k * L // 3, (k + 1) * L // 3) for k in range(3)]
     return {"all_levels": mean(range(L)),
             "old_diagnostic": mean(j % L for j in range(OLD_DIAGNOSTIC_POINTS)),
-            "spread_diagnostic": mean(int(i) for i in diagnostic_levels(OLD_DIAGNOSTIC_POINTS, L)),
+            "spread_diagnostic": mean(int(i) for i in diagnostic_levels(VAL_CONTRACTION_POINTS, L)),
             "high_sigma_third": mean(thirds[0]), "mid_sigma_third": mean(thirds[1]),
             "low_sigma_third": mean(thirds[2]),
             "iterations_mean": sum(r["iterations"] for r in rows) / L,
