@@ -152,6 +152,18 @@ def test_training_curves_records_where_training_and_evaluation_ran():
     assert "; device cpu" in facts(1, ["trainer=gpu", "trainer.accelerator=cpu"], ["trainer.accelerator=cpu"])
 
 
+def test_training_curves_shows_each_fid_with_its_bootstrap_sd_where_the_test_measured_one():
+    """A checkpoint's FID cell carries its bootstrap sd (``test/fid_bootstrap_sd``) and nothing where none was
+    measured; other metrics never take one."""
+    cell = training_curves._cell
+    assert cell({"test/fid": 236.8125, "test/fid_bootstrap_sd": 12.5077}, "test/fid", "{:.1f}") == "236.8 ± 12.5"
+    assert cell({"test/fid": 236.8125}, "test/fid", "{:.1f}") == "236.8"
+    assert cell({"test/fid_bootstrap_sd": 12.5}, "test/fid", "{:.1f}") == "—"
+    assert cell({"test/dsm_loss": 23.5497, "test/fid_bootstrap_sd": 12.5}, "test/dsm_loss", "{:.3f}") == "23.550"
+    text = (RESULTS / "ncsn_long_campaign_seed0.md").read_text()
+    assert "| 6000 | 6000 | 2677 | 236.8 ± 12.5 |" in text and "FID ± its bootstrap sd" in text
+
+
 def test_training_curves_merge_joins_parts_of_one_protocol_and_refuses_others(tmp_path):
     """Variants run side by side as one process each come back as one result: every run and point kept, each
     part's command listed, sample grids renamed; parts of different protocols or a variant twice are refused."""

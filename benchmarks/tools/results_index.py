@@ -132,7 +132,8 @@ SHOWS = {
                              "experiment=ncsn_mnist's noise (σ 1 → 0.01, 10 levels, T = 20, ε 2e-5, denoised): "
                              "FID of 500 samples at 1500 and 3000 steps (`notes/ncsn_protocol.md`).",
     "ncsn_long_campaign_seed0": "The NCSN decision of issue 48 at experiment=ncsn_mnist_long, seed 0's curves (FID of "
-                                "1000 samples every 1500 steps, test DSM / SSM-VR), the arms landed so far.",
+                                "1000 samples ± bootstrap sd every 1500 steps, test DSM / SSM-VR) of TwoRes, RefineNet, "
+                                "the DEQ of record and its one-pass control; the DSM TwoRes reference to come.",
     "ncsn_protocol_probe_b": "NCSN protocol probe B (issue 48): the same with NCSNv2's rules (σ₁ 16.9, 95 levels, "
                              "unconditional network, T = 5, ε 1.1e-5): FID of 500 samples (`notes/ncsn_protocol.md`).",
     "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "

@@ -203,6 +203,12 @@ def _fmt(fmt: str, value) -> str:
     return "—" if value is None else fmt.format(value)
 
 
+def _cell(metrics: dict, key: str, fmt: str) -> str:
+    """One checkpoint's metric; the FID with its bootstrap sd when the test measured one."""
+    sd = metrics.get(f"{key}_bootstrap_sd") if key == "test/fid" else None
+    return _fmt(fmt, metrics.get(key)) + ("" if sd is None or metrics.get(key) is None else f" ± {fmt.format(sd)}")
+
+
 def render(res: dict) -> str:
     grid = GRIDS[res["meta"]["grid"]]
     per_it = grid["steps_per_iteration"]
@@ -216,7 +222,10 @@ def render(res: dict) -> str:
              f"Each checkpoint tested with `python -m src.evaluate ckpt_path=<checkpoint> "
              f"{' '.join(res['meta']['eval_overrides'])}`. Wall time = summed training step time "
              "(validation, test and start-up excluded)." + (
-                 f" Steps are Lightning optimiser steps: {per_it} per model iteration." if per_it > 1 else ""), ""]
+                 f" Steps are Lightning optimiser steps: {per_it} per model iteration." if per_it > 1 else "") + (
+                 " FID ± its bootstrap sd (both image sets resampled with replacement)." if any(
+                     "test/fid_bootstrap_sd" in p["metrics"] for r in res["runs"].values()
+                     for p in r.get("points", {}).values()) else ""), ""]
     if res["meta"].get("real_fid") is not None:
         lines += [(f"Reference: FID of {res['meta']['real_fid_n']} real training images against the test images "
                    f"the metric uses: {res['meta']['real_fid']:.1f} (the floor at this sample size)."), ""]
@@ -251,7 +260,7 @@ def render(res: dict) -> str:
             continue
         head = ["step", "iteration", "wall s", *(h for _, h, _ in grid["metrics"])]
         rows = [[p["step"], p["step"] // per_it, _fmt("{:.0f}", p.get("train_time_s")),
-                 *(_fmt(f, p["metrics"].get(k)) for k, _, f in grid["metrics"])] for p in pts]
+                 *(_cell(p["metrics"], k, f) for k, _, f in grid["metrics"])] for p in pts]
         lines += [f"## {name}", "", *markdown_table(head, rows), ""]
         if run.get("samples"):
             lines += [f"Samples of the last checkpoint: ![{name}]({run['samples']})", ""]
