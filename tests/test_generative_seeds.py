@@ -85,7 +85,11 @@ def test_equal_steps_equal_wall_time_and_verdicts(tmp_path):
     md = gs.render(res)
     assert "| DEQ-SSM-VR NCSN | 0,1,2 | 200 | 101.00 ± 1.00 | 2.00 | 10.00 ± 0.00 | — | 300.0 ± 0.0 | 1.000 ± 0.000 | 200 ± 0 |" in md
     assert "## At the same training wall time (200 s, the fastest variant's)" in md
-    assert "| SSM-VR NCSN (RefineNet) | 100 ± 0 | 171.00 ± 1.00 | 13.00 ± 0.00 |" in md
+    assert "| SSM-VR NCSN (RefineNet) | 0,1,2 | 100 ± 0 | 171.00 ± 1.00 | 13.00 ± 0.00 |" in md
+    # a seed tested only at its last step, past the budget, is not read at equal time, and the row says so
+    last_only = json.loads(json.dumps(res))
+    del last_only["runs"][REFINE]["2"]["points"]["step_0000100.ckpt"]
+    assert "| SSM-VR NCSN (RefineNet) | 0,1 | 100 ± 0 | 170.50 ± 0.71 |" in gs.render(last_only)
 
 
 def test_equal_time_table_warns_when_runs_shared_the_machine(tmp_path):

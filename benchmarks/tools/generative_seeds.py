@@ -160,11 +160,13 @@ def summary_rows(res: dict) -> tuple[list[str], list[list[str]]]:
 
 def wall_rows(res: dict, budget: float) -> tuple[list[str], list[list[str]]]:
     grid = res["meta"]["grid"]
-    head = ["variant", "step reached (mean over seeds)", *(label for _, label, _, _ in CLAIMS[grid]["quality"])]
+    head = ["variant", "seeds read", "step reached (mean over seeds)",
+            *(label for _, label, _, _ in CLAIMS[grid]["quality"])]
     rows = []
     for variant, seeds in res["runs"].items():
         at = [at_wall_time(r, budget) for r in seeds.values()]
-        rows.append([variant, fmt([a.get("step") for a in at], 0, "step"),
+        read = [s for s, a in zip(seeds, at) if a]  # a seed tested only at its last step may have no point within
+        rows.append([variant, ",".join(sorted(read, key=int)) or "—", fmt([a.get("step") for a in at], 0, "step"),
                      *(fmt([a.get(key) for a in at], 2, key) for key, _, _, _ in CLAIMS[grid]["quality"])])
     return head, rows
 
@@ -257,7 +259,9 @@ def render(res: dict) -> str:
     if budget is not None:
         head, rows = wall_rows(res, budget)
         lines += [f"## At the same training wall time ({budget:.0f} s, the fastest variant's)", "",
-                  "Each seed read at its last checkpoint trained within the budget.", "",
+                  ("Each seed read at its last checkpoint trained within the budget; a seed with none within it "
+                   "(one tested only at its last step) is left out, so a row may stand on fewer seeds than the "
+                   "table above."), "",
                   *shared_machine_caveat(meta),
                   *markdown_table(head, rows), ""]
     lines += ["## Verdicts", "",

@@ -37,6 +37,7 @@ REBUILT_BY = {
     "vae_mnist_campaign": "benchmarks.tools.generative_seeds vae --render --name vae_mnist_campaign",
     "ncsn_protocol_probe_b": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_b",
     "ncsn_long_campaign_seed0": "benchmarks.tools.training_curves ncsn_long --render --name ncsn_long_campaign_seed0",
+    "ncsn_mnist_campaign": "benchmarks.tools.generative_seeds ncsn_long --render --name ncsn_mnist_campaign",
     "ncsn_deq_cost": "benchmarks.studies.ncsn_deq_cost --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
     "faults": "benchmarks.tools.fault_table --render",
@@ -134,6 +135,12 @@ SHOWS = {
     "ncsn_long_campaign_seed0": "The NCSN decision of issue 48 at experiment=ncsn_mnist_long, seed 0's curves (FID of "
                                 "1000 samples ± bootstrap sd every 1500 steps, test DSM / SSM-VR) of TwoRes, RefineNet, "
                                 "the DEQ of record and its one-pass control; the DSM TwoRes reference to come.",
+    "ncsn_mnist_campaign": "The NCSN decision of issue 48 over seeds (experiment=ncsn_mnist_long, 6000 steps, FID of 1000 "
+                           "samples ± bootstrap sd, test DSM, saved bytes and time per step): the DEQ of record, its "
+                           "one-pass control, TwoRes and RefineNet (SSM-VR), the seeds that have finished; equal-step "
+                           "and equal-time verdicts at 2 s.e. (`python -m benchmarks.tools.seeds_campaign ncsn_long "
+                           "--root <data dir> --parallel 1 --seeds 0,1,2 --curve-seeds 0`, two such processes side by "
+                           "side on 2 cores).",
     "ncsn_protocol_probe_b": "NCSN protocol probe B (issue 48): the same with NCSNv2's rules (σ₁ 16.9, 95 levels, "
                              "unconditional network, T = 5, ε 1.1e-5): FID of 500 samples (`notes/ncsn_protocol.md`).",
     "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "
