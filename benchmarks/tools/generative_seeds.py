@@ -129,6 +129,11 @@ def at_wall_time(run: dict, budget: float) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- summaries
+def seeds_cell(seeds) -> str:
+    """The seeds of a row, in order (``—`` for none)."""
+    return ",".join(sorted(seeds, key=int)) or "—"
+
+
 def mean_cell(values, digits: int = 2) -> str:
     """The mean alone (an error measure averaged over seeds), ``—`` for none."""
     m, _, n = summarise(values)
@@ -146,7 +151,7 @@ def summary_rows(res: dict) -> tuple[list[str], list[list[str]]]:
     for variant, seeds in res["runs"].items():
         last = [last_metrics(r) for r in seeds.values()]
         steps = sorted({m.get("step") for m in last if m})
-        row = [variant, ",".join(sorted(seeds, key=int)), "–".join(map(str, steps)) or "—"]
+        row = [variant, seeds_cell(seeds), "–".join(map(str, steps)) or "—"]
         for key, _, _, err in CLAIMS[grid]["quality"]:
             row += [fmt([m.get(key) for m in last], 2, key), mean_cell([m.get(err) for m in last])]
         if grid == "vae":  # per seed: a seed tested on fewer images has the larger standard error
@@ -166,7 +171,7 @@ def wall_rows(res: dict, budget: float) -> tuple[list[str], list[list[str]]]:
     for variant, seeds in res["runs"].items():
         at = [at_wall_time(r, budget) for r in seeds.values()]
         read = [s for s, a in zip(seeds, at) if a]  # a seed tested only at its last step may have no point within
-        rows.append([variant, ",".join(sorted(read, key=int)) or "—", fmt([a.get("step") for a in at], 0, "step"),
+        rows.append([variant, seeds_cell(read), fmt([a.get("step") for a in at], 0, "step"),
                      *(fmt([a.get(key) for a in at], 2, key) for key, _, _, _ in CLAIMS[grid]["quality"])])
     return head, rows
 

@@ -204,8 +204,8 @@ def _fmt(fmt: str, value) -> str:
 
 
 def _cell(metrics: dict, key: str, fmt: str) -> str:
-    """One checkpoint's metric; the FID with its bootstrap sd when the test measured one."""
-    sd = metrics.get(f"{key}_bootstrap_sd") if key == "test/fid" else None
+    """One checkpoint's metric, with its bootstrap sd (``<key>_bootstrap_sd``: the FID's) when the test measured one."""
+    sd = metrics.get(f"{key}_bootstrap_sd")
     return _fmt(fmt, metrics.get(key)) + ("" if sd is None or metrics.get(key) is None else f" ± {fmt.format(sd)}")
 
 
