@@ -168,7 +168,7 @@ SHOWS = {
     "ncsn_share_by_level": "Issue 48: the NCSN campaign's DEQ of record, per noise level and checkpoint: its "
                            "recurrence share, solver iterations and contraction rate; why the logged share fell "
                            "to 6.2 % (it looked at the 16 largest of 95 σ) while the all-level share is 12.9 → 10.0 %; "
-                           "seed 1's last checkpoint beside it (10.4 %).",
+                           "the last checkpoints of seeds 1 and 2 beside it (10.4 % and 9.1 %).",
     "ncsn_sampler_drift": "Annealed Langevin trajectories vs noisy data per noise level: the network's predicted "
                           "noise and the pixel statistics along the sampler.",
     "ncsn_white_out": "Issue 41: why the decision grid's 300-step NCSNs white out — the same per-level trajectory "
