@@ -124,7 +124,7 @@ SHOWS = {
                            "± bootstrap sd and white-out, same seed for both rules.",
     "vae_mnist_campaign": "The SSM-VAE decision of issue 48 at experiment=vae_mnist's 20 000 steps: DEQ of record, its "
                           "one-pass control and the SSM VAE, FID of 1000 samples and AIS on 100 test images paired "
-                          "by image; the seeds that have finished (`python -m benchmarks.tools.seeds_campaign vae "
+                          "by image; 3 seeds of each (`python -m benchmarks.tools.seeds_campaign vae "
                           "--root <data dir> --parallel 1 --seeds 0,1,2 --variants 'DEQ-SSM VAE (record),DEQ-SSM "
                           "VAE (one-pass),SSM VAE' --steps 20000 --every 10000 --fid-samples 1000 --ais-points 16 "
                           "--final-ais-points 100`). Wall times: the machine ran other jobs beside each part, "
@@ -137,7 +137,7 @@ SHOWS = {
                                 "the DEQ of record and its one-pass control; the DSM TwoRes reference to come.",
     "ncsn_mnist_campaign": "The NCSN decision of issue 48 over seeds (experiment=ncsn_mnist_long, 6000 steps, FID of 1000 "
                            "samples ± bootstrap sd, test DSM, saved bytes and time per step): the DEQ of record, its "
-                           "one-pass control, TwoRes and RefineNet (SSM-VR), the seeds that have finished; equal-step "
+                           "one-pass control, TwoRes and RefineNet (SSM-VR), 3 seeds of each; equal-step "
                            "and equal-time verdicts at 2 s.e. (`python -m benchmarks.tools.seeds_campaign ncsn_long "
                            "--root <data dir> --parallel 1 --seeds 0,1,2 --curve-seeds 0`, two such processes side by "
                            "side on 2 cores).",
