@@ -114,3 +114,13 @@ def test_a_user_override_replaces_the_protocols_value_of_its_key_once():
         "model.metrics.fid.bootstrap=100"
     assert merged("a=1 b=2", "b=3 c=4") == "a=1 b=3 c=4"
     assert merged("a=1", None) == "a=1" and merged("", "x=1") == "x=1" and merged("", None) == ""
+
+
+def test_a_part_another_process_still_tests_is_left_out_of_its_seeds_merge(tmp_path):
+    """Two campaign processes share a --name: when one ends, a part the other is still testing has runs but no
+    real-data FID reference yet; merging it would refuse the whole seed, so it waits, and an empty part is no part."""
+    done, testing, empty = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"
+    done.write_text(json.dumps({"meta": {"real_fid_n": 1000}, "runs": {"TwoRes": {"points": {}}}}))
+    testing.write_text(json.dumps({"meta": {"real_fid_n": None}, "runs": {"TwoRes-DSM": {"points": {}}}}))
+    empty.write_text(json.dumps({"meta": {}, "runs": {}}))
+    assert seeds_campaign.finished_parts([done, testing, empty]) == ([done], [testing])

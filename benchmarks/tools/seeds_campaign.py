@@ -109,6 +109,19 @@ def merged_overrides(protocol: str, user: str | None) -> str:
     return " ".join(merged.values())
 
 
+def finished_parts(paths: list[Path]) -> tuple[list[Path], list[Path]]:
+    """``paths`` (part JSONs of one name and seed) split into finished ones and ones still under way. A part is
+    finished when ``training_curves`` wrote its real-data FID reference (``meta.real_fid_n``), which it does after
+    its last test; a part another campaign process is still testing (two processes sharing ``--name``) has runs
+    but no reference yet, and merging it would refuse the whole seed (the protocols differ)."""
+    finished, running = [], []
+    for path in paths:
+        res = json.loads(path.read_text())
+        if res.get("runs"):
+            (finished if res.get("meta", {}).get("real_fid_n") else running).append(path)
+    return finished, running
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("grid", choices=sorted(GRIDS))
@@ -176,8 +189,11 @@ def main(argv=None) -> dict:
     per_seed = []
     for s in seeds:
         # every finished part of this name and seed, also of variants an earlier call ran (arms started apart)
-        parts = sorted((args.work / "parts").glob(f"{args.name}_seed{s}_*.json"))
-        parts = [rel(p) for p in parts if json.loads(p.read_text()).get("runs")]
+        parts, running = finished_parts(sorted((args.work / "parts").glob(f"{args.name}_seed{s}_*.json")))
+        parts = [rel(p) for p in parts]
+        if running:
+            print(f"seed {s}: left out until it finishes (another process still tests it): "
+                  f"{', '.join(p.name for p in running)}", flush=True)
         if not parts:
             print(f"seed {s}: no part finished; left out", flush=True)
             continue
