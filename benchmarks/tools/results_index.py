@@ -46,6 +46,7 @@ REBUILT_BY = {
     "ncsn_memory": "benchmarks.tools.step_cost ncsn --render",
     "ncsn_sampler_update": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_sampler_update",
     "ncsn_sampler_drift": "benchmarks.studies.ncsn_sampler_drift --render",
+    "ncsn_langevin_rank": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_langevin_rank",
     "ncsn_langevin_step_long": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_langevin_step_long",
     "ncsn_langevin_warm_start": "benchmarks.studies.ncsn_langevin_step --render --name ncsn_langevin_warm_start",
     "ncsn_share_by_level": "benchmarks.studies.ncsn_share_by_level --render",
@@ -161,6 +162,9 @@ SHOWS = {
                                      " Measured before issue 29 (the old half Langevin step).",
     "ncsn_phantom_bias": "Per checkpoint: the SSM-VR loss with the phantom backward (K = 1, 2, 4, 8) vs the exact "
                          "implicit one, and the learned map's contraction rate.",
+    "ncsn_langevin_rank": "Issue 48: every NCSN arm's seed-0 checkpoint (6000 steps) sampled at ε 1.1e-5 and 2.2e-5 "
+                          "(FID of 500 samples): the order RefineNet < TwoRes < one-pass < record holds at both; "
+                          "every arm gains 12-44 at 2.2e-5.",
     "ncsn_langevin_step_long": "Issue 48: the long protocol's Langevin step ε on the campaign's TwoRes seed 0 at "
                                "6000 steps (FID of 500 samples): the rule's 1.1e-5 gives 241.8, 2.2e-5 197.9.",
     "ncsn_langevin_warm_start": "Issue 48: the campaign's DEQ of record (seed 0, 6000 steps) sampled with and "
