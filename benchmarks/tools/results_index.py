@@ -38,6 +38,7 @@ REBUILT_BY = {
     "ncsn_protocol_probe_b": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_b",
     "ncsn_long_campaign_seed0": "benchmarks.tools.training_curves ncsn_long --render --name ncsn_long_campaign_seed0",
     "ncsn_mnist_campaign": "benchmarks.tools.generative_seeds ncsn_long --render --name ncsn_mnist_campaign",
+    "ncsn_long_extension_seed0": "benchmarks.tools.training_curves ncsn_long --render --name ncsn_long_extension_seed0",
     "ncsn_deq_cost": "benchmarks.studies.ncsn_deq_cost --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
     "faults": "benchmarks.tools.fault_table --render",
@@ -137,6 +138,10 @@ SHOWS = {
                                 "1000 samples ± bootstrap sd every 1500 steps, test DSM / SSM-VR) of TwoRes, RefineNet, "
                                 "the DEQ of record and its one-pass control, and the DSM-trained TwoRes quality reference line "
                                 "(FID 170.6 at 6000 steps, 7.7× the floor; ahead of every SSM-VR arm at every checkpoint).",
+    "ncsn_long_extension_seed0": "Issue 48: does the FID stop improving after 6000 steps? Seed 0 continued past the "
+                                 "protocol (FID of 1000 samples): RefineNet SSM-VR 199.4 → 191.6 at 7500, the DSM "
+                                 "TwoRes reference 170.6 → 168.0 → 158.4 at 7500 / 9000 — gains within 1 bootstrap sd a "
+                                 "checkpoint, against 38–97 from 4500 to 6000.",
     "ncsn_mnist_campaign": "The NCSN decision of issue 48 over seeds (experiment=ncsn_mnist_long, 6000 steps, FID of 1000 "
                            "samples ± bootstrap sd, test DSM, saved bytes and time per step): the DEQ of record, its "
                            "one-pass control, TwoRes and RefineNet (SSM-VR), 3 seeds of each; equal-step "
