@@ -74,14 +74,17 @@ def test_equal_steps_equal_wall_time_and_verdicts(tmp_path):
         "test/fid": 171, "test/fid_bootstrap_sd": 2.0, "test/dsm_loss": 13.0, "step": 100}
     lines = gs.verdicts(res, budget)
     text = "\n".join(lines)
-    # DEQ 101 ± 1 vs RefineNet 150 ± 2: better by 49, 2 s.e. = 2 sqrt(1/3 + 4/3) = 2.58
-    assert f'"{DEQ} ≥ {REFINE}", FID at equal steps: agree (difference 49.00, 2 s.e. = 2.58); 101.00 vs 150.00' in text
+    # DEQ 101 ± 1 vs RefineNet 150 ± 2: better by 49, 2 s.e. = 2 sqrt(1/3 + 4/3) = 2.58; Welch df = 50/17
+    assert (f'"{DEQ} ≥ {REFINE}", FID at equal steps: agree at 2 s.e. (difference 49.00 > 2 s.e. = 2.58); agree by '
+            "Welch's t-test (p < 0.001, df = 2.9: needs > 3.22 s.e. = 4.16); 101.00 vs 150.00") in text
     assert f'"{DEQ} ≥ {REFINE}", FID at equal wall time (200 s): agree' in text
     # DEQ 101 ± 1 vs TwoRes 101.33 ± 2.52: a tie
     assert f'"{DEQ} ≥ {TWORES}", FID at equal steps: undecided' in text
     # saved bytes do not vary over seeds: any difference decides, none is a tie
-    assert f'"{DEQ} needs less saved MB / step than {REFINE}": agree; ratio 0.50' in text
-    assert f'"{DEQ} needs less saved MB / step than {TWORES}": undecided; ratio 1.00' in text
+    assert (f'"{DEQ} needs less saved MB / step than {REFINE}": agree (no spread on either side: any difference '
+            "decides) at 2 s.e. and by Welch's t-test; ratio 0.50") in text
+    assert (f'"{DEQ} needs less saved MB / step than {TWORES}": undecided (equal means) at 2 s.e. and by Welch\'s '
+            "t-test; ratio 1.00") in text
     md = gs.render(res)
     assert "| DEQ-SSM-VR NCSN | 0,1,2 | 200 | 101.00 ± 1.00 | 2.00 | 10.00 ± 0.00 | — | 300.0 ± 0.0 | 1.000 ± 0.000 | 200 ± 0 |" in md
     assert "## At the same training wall time (200 s, the fastest variant's)" in md
@@ -146,8 +149,13 @@ def test_vae_arms_are_compared_paired_by_image():
                     ssm: {"0": run(base), "1": run(base)}}}
     (line,) = [x for x in gs.paired_lines(res) if x.startswith(f"- {rec} − {ssm}")]
     se = math.sqrt(sum((d - 0.5) ** 2 for d in shift) / 39) / math.sqrt(40)  # the pooled differences' s.e.
-    assert f"+0.500 ± {se:.3f} nats over 40 (seed, image) pairs → agree" in line
+    assert (f"+0.500 ± {se:.3f} nats over 40 (seed, image) pairs → agree at 2 s.e., agree by the paired t-test "
+            "(p < 0.001, df = 39)") in line
     assert "seed 0: +0.500 ± 0.023 (20 images)" in line and "seed 1: +0.500 ± 0.000 (20 images)" in line
     res["runs"][rec]["1"] = run([b - 2.0 for b in base])  # seed 1 worse by 2 nats: the pooled mean turns negative
     (line,) = [x for x in gs.paired_lines(res) if x.startswith(f"- {rec} − {ssm}")]
-    assert line.split(" nats")[0].endswith("-0.750 ± 0.200") and "disagree" in line
+    assert line.split(" nats")[0].endswith("-0.750 ± 0.200") and "disagree at 2 s.e., disagree by the paired" in line
+    # a shift of 2.6 s.e.: decided at 2 s.e., not by the t-test at 3 pairs (t₀.₉₇₅(2) = 4.30)
+    res = {"runs": {rec: {"0": run([1.0, 3.0, 5.0])}, ssm: {"0": run([0.0, 0.0, 0.0])}}}
+    (line,) = [x for x in gs.paired_lines(res) if x.startswith(f"- {rec} − {ssm}")]
+    assert "+3.000 ± 1.155 nats over 3 (seed, image) pairs → agree at 2 s.e., undecided by the paired t-test" in line

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 
+import pytest
 import yaml
 
-from benchmarks.lib.results import seed_verdict
+from benchmarks.lib.results import seed_verdict, welch_t_test
 from src.reports import sweeps as report
 from src.reports.tables import (
     figure,
@@ -21,16 +23,59 @@ from src.reports.tables import (
 
 
 def test_seed_verdict_follows_the_standard_error_of_the_difference():
-    # means -30 vs -20, sds 1 (3 seeds each): s.e. of the difference 0.816, difference 10 -> agree
+    # means -30 vs -20, sds 1 (3 seeds each): s.e. of the difference 0.816, difference 10 -> agree by both rules
     verdict, a, b = seed_verdict([-31, -30, -29], [-21, -20, -19], lower_is_better=True)
-    assert verdict.startswith("agree") and (a, b) == (-30, -20) and "2 s.e. = 1.63" in verdict
-    assert seed_verdict([-21, -20, -19], [-31, -30, -29], lower_is_better=True)[0].startswith("disagree")
-    assert seed_verdict([-13.0, -12.9], [-13.2, -13.1], lower_is_better=False)[0].startswith("agree")
+    assert verdict.startswith("agree at 2 s.e.") and (a, b) == (-30, -20) and "2 s.e. = 1.63" in verdict
+    assert "; agree by Welch's t-test (p < 0.001, df = 4.0: needs > 2.78 s.e. = 2.27)" in verdict
+    assert seed_verdict([-21, -20, -19], [-31, -30, -29], lower_is_better=True)[0].startswith("disagree at 2 s.e.")
+    assert seed_verdict([-13.0, -12.9], [-13.2, -13.1], lower_is_better=False)[0].startswith("agree at 2 s.e.")
     # difference 1 against 2 s.e. = 2 * sqrt(2 * 9 / 3) = 4.9 -> undecided
-    assert seed_verdict([-33, -30, -27], [-32, -29, -26], lower_is_better=True)[0].startswith("undecided (difference")
-    assert seed_verdict([-30], [-20, -21], lower_is_better=True)[0] == "undecided (fewer than 2 seeds)"
-    assert seed_verdict([5, 5], [5, 5], lower_is_better=True)[0] == "undecided (equal means)"
-    assert seed_verdict([4, 4], [5, 5], lower_is_better=True)[0].startswith("agree")  # no spread: any difference
+    assert seed_verdict([-33, -30, -27], [-32, -29, -26], lower_is_better=True)[0].startswith(
+        "undecided at 2 s.e. (difference 1.00 ≤ 2 s.e. = 4.90); undecided by Welch's t-test")
+    assert seed_verdict([-30], [-20, -21], lower_is_better=True)[0].startswith("undecided (fewer than 2 seeds")
+    assert seed_verdict([5, 5], [5, 5], lower_is_better=True)[0].startswith("undecided (equal means) at 2 s.e. and by Welch")
+    assert seed_verdict([4, 4], [5, 5], lower_is_better=True)[0].startswith(  # no spread: any difference decides
+        "agree (no spread on either side: any difference decides) at 2 s.e. and by Welch's t-test")
+
+
+def test_the_two_rules_part_where_the_t_quantile_exceeds_two():
+    """At 3 seeds a side the t threshold is 2.78-4.30 s.e., not 2: a 3.1-s.e. gap agrees at 2 s.e. only."""
+    # a = 1, 2, 3 (mean 2, sd 1), b = 4, 6, 8 (mean 6, sd 2): se² = 1/3 + 4/3 = 5/3, difference 4 = 3.10 se
+    verdict = seed_verdict([1, 2, 3], [4, 6, 8], lower_is_better=True)[0]
+    assert verdict == ("agree at 2 s.e. (difference 4.00 > 2 s.e. = 2.58); undecided by Welch's t-test "
+                       "(p = 0.055, df = 2.9: needs > 3.22 s.e. = 4.16)")
+    assert seed_verdict([1, 2, 3], [4, 6, 8], lower_is_better=True, detail=False)[0] == (
+        "agree at 2 s.e., undecided by Welch's t-test (p = 0.055)")
+
+
+def _t_sf(t: float, df: float) -> float:
+    """P(T > t) of Student's t by quadrature of its density (mpmath, 30 digits): an independent reference."""
+    import mpmath
+
+    mpmath.mp.dps = 30
+    c = mpmath.gamma((df + 1) / 2) / (mpmath.sqrt(df * mpmath.pi) * mpmath.gamma(df / 2))
+    return float(mpmath.quad(lambda x: c * (1 + x * x / df) ** (-(df + 1) / 2), [t, mpmath.inf]))
+
+
+def test_welch_statistic_df_and_p_against_hand_values():
+    # the example above by hand: t = -4 / sqrt(5/3), df = (5/3)² / ((1/3)²/2 + (4/3)²/2) = 50/17
+    t, df, p, q = welch_t_test((2.0, 1.0, 3), (6.0, 2.0, 3))
+    assert math.isclose(t, -4 / math.sqrt(5 / 3), rel_tol=1e-12) and math.isclose(df, 50 / 17, rel_tol=1e-12)
+    assert math.isclose(p, 2 * _t_sf(4 / math.sqrt(5 / 3), 50 / 17), rel_tol=1e-9)
+    assert math.isclose(_t_sf(q, 50 / 17), 0.025, rel_tol=1e-9)
+    # one side without spread: df = n - 1 = 2, where Student's t has a closed form, P(|T| > t) = 1 - t / sqrt(2 + t²)
+    t, df, p, q = welch_t_test((2.0, 1.0, 3), (5.0, 0.0, 3))
+    assert math.isclose(t, -3 * math.sqrt(3), rel_tol=1e-12) and math.isclose(df, 2.0, rel_tol=1e-12)
+    assert math.isclose(p, 1 - math.sqrt(27) / math.sqrt(29), rel_tol=1e-9)  # 0.03510
+    assert round(q, 3) == 4.303  # the printed table's t_0.975 at 2 df
+    # equal sizes and sds: df = 2(n - 1); the printed table's quantiles at 4, 10 and 58 df
+    for n, table in ((3, 2.776), (6, 2.228), (30, 2.002)):
+        t, df, p, q = welch_t_test((0.0, 1.0, n), (1.0, 1.0, n))
+        assert math.isclose(df, 2 * (n - 1), rel_tol=1e-12) and round(q, 3) == table
+        assert math.isclose(p, 2 * _t_sf(abs(t), df), rel_tol=1e-9)
+    for bad in (((0.0, 1.0, 1), (1.0, 1.0, 3)), ((0.0, 0.0, 3), (1.0, 0.0, 3))):
+        with pytest.raises(ValueError, match="Welch's t-test needs"):
+            welch_t_test(*bad)
 
 
 def test_summaries_and_their_cells():

@@ -12,7 +12,7 @@
 - result files: :func:`write_results` (``<stem>.json`` atomically, then ``<stem>.md`` rendered from it),
   :func:`load_results` (a saved JSON to merge into), :func:`rerender` (the markdown again from a saved JSON);
 - verdicts: :func:`seed_verdict` (is one method better than another over seeds: agree / disagree / undecided at
-  twice the standard error of the difference).
+  twice the standard error of the difference and by Welch's t-test: :func:`seed_rules`, :func:`welch_t_test`).
 
 The reporting library they share with ``python -m src.report`` (rows, mean ± std, markdown tables, figures) is
 :mod:`src.reports.tables`.
@@ -161,23 +161,92 @@ def checkpoint_study(ap: argparse.ArgumentParser, args, module: str, render: Cal
 
 
 # ------------------------------------------------------------------- result files and verdicts
-def seed_verdict(a: Iterable[float | None], b: Iterable[float | None], lower_is_better: bool
-                 ) -> tuple[str, float, float]:
-    """Verdict of the claim 'a is better than b' from two sets of seeds, with the two means: agree / disagree
-    when the means differ by more than twice the standard error of their difference (Welch: sd²/n of each side
-    summed; with no spread on either side, any difference decides), undecided otherwise, for equal means, or with
-    fewer than 2 finite values on a side."""
+def welch_t_test(a: tuple[float, float, int], b: tuple[float, float, int]) -> tuple[float, float, float, float]:
+    """Welch's unequal-variance t-test of two samples given as ``(mean, sample sd, n)`` (each n ≥ 2, not both sds
+    0): ``(t, df, p, q)`` with t = (m_a − m_b) / se, se² = s_a²/n_a + s_b²/n_b, the Welch–Satterthwaite degrees of
+    freedom df = se⁴ / ((s_a²/n_a)²/(n_a − 1) + (s_b²/n_b)²/(n_b − 1)) (Welch 1947, eq. 12 of Satterthwaite
+    1946), the two-sided p-value 2·(1 − F_df(|t|)) of Student's t distribution and its 0.975 quantile q = F_df⁻¹(0.975)
+    (the means differ at the 5 % level iff |m_a − m_b| > q·se: the t-based threshold beside the 2 s.e. rule)."""
+    from scipy.special import stdtr, stdtrit
+
+    (ma, sa, na), (mb, sb, nb) = a, b
+    if na < 2 or nb < 2:
+        raise ValueError(f"Welch's t-test needs ≥ 2 values a side, got {na} and {nb}")
+    va, vb = sa**2 / na, sb**2 / nb
+    if va + vb == 0:
+        raise ValueError("Welch's t-test needs a spread on at least one side (both sds are 0)")
+    se = math.sqrt(va + vb)
+    t = (ma - mb) / se
+    df = (va + vb) ** 2 / (va**2 / (na - 1) + vb**2 / (nb - 1))
+    return t, df, float(2 * stdtr(df, -abs(t))), float(stdtrit(df, 0.975))
+
+
+def one_sample_t_test(d: tuple[float, float, int]) -> tuple[float, float, float, float]:
+    """Student's one-sample t-test of mean 0 (the paired t-test, on paired differences), the sample given as
+    ``(mean, sample sd, n)`` with n ≥ 2 and sd > 0: ``(t, df, p, q)``, t = mean / (sd/√n), df = n − 1, two-sided
+    p and q = t₀.₉₇₅(df), as :func:`welch_t_test`."""
+    from scipy.special import stdtr, stdtrit
+
+    m, sd, n = d
+    if n < 2 or sd == 0:
+        raise ValueError(f"the t-test needs ≥ 2 values with a spread, got n = {n}, sd = {sd}")
+    t = m / (sd / math.sqrt(n))
+    return t, n - 1.0, float(2 * stdtr(n - 1, -abs(t))), float(stdtrit(n - 1, 0.975))
+
+
+def seed_rules(a: Iterable[float | None], b: Iterable[float | None], lower_is_better: bool) -> dict:
+    """The claim 'a is better than b' over seeds by two rules: ``{"mean_a", "mean_b", "diff"`` (> 0: a better),
+    ``"se"``, ``"by_2se"``, ``"by_welch"`` (each "agree" / "disagree" / "undecided"), ``"p"``, ``"df"``, ``"q"``
+    (Welch's two-sided p, degrees of freedom and t₀.₉₇₅(df); None where the test does not apply), ``"why"`` (why
+    both are undecided or decided without a test, else None)``}``. **At 2 s.e.**: agree / disagree when the means
+    differ by more than twice the standard error of their difference (se² = sd_a²/n_a + sd_b²/n_b, sample sds; no
+    t-correction, so lenient at 3 seeds). **By Welch's t-test** (:func:`welch_t_test`): agree / disagree when its
+    two-sided p < 0.05, i.e. the difference exceeds t₀.₉₇₅(df)·se (4.30·se at df = 2, 2.78·se at df = 4). With no
+    spread on either side any difference decides both; equal means, or fewer than 2 finite values on a side, are
+    undecided by both."""
     ma, sa, na = summarise(a)
     mb, sb, nb = summarise(b)
+    out = {"mean_a": ma, "mean_b": mb, "diff": float("nan"), "se": float("nan"), "by_2se": "undecided",
+           "by_welch": "undecided", "p": None, "df": None, "q": None, "why": None}
     if na < 2 or nb < 2:
-        return "undecided (fewer than 2 seeds)", ma, mb
-    se = math.sqrt(sa**2 / na + sb**2 / nb)
+        return out | {"why": "fewer than 2 seeds"}
     diff = (mb - ma) if lower_is_better else (ma - mb)  # > 0: a is better
+    se = math.sqrt(sa**2 / na + sb**2 / nb)
+    out |= {"diff": diff, "se": se}
     if diff == 0:
-        return "undecided (equal means)", ma, mb
-    if se > 0 and abs(diff) <= 2 * se:
-        return f"undecided (difference {abs(diff):.2f} ≤ 2 s.e. = {2 * se:.2f})", ma, mb
-    return ("agree" if diff > 0 else "disagree") + f" (difference {abs(diff):.2f}, 2 s.e. = {2 * se:.2f})", ma, mb
+        return out | {"why": "equal means"}
+    word = "agree" if diff > 0 else "disagree"
+    if se == 0:
+        return out | {"by_2se": word, "by_welch": word, "why": "no spread on either side: any difference decides"}
+    _t, df, p, q = welch_t_test((ma, sa, na), (mb, sb, nb))
+    return out | {"by_2se": word if abs(diff) > 2 * se else "undecided",
+                  "by_welch": word if abs(diff) > q * se else "undecided", "p": p, "df": df, "q": q}
+
+
+def p_text(p: float) -> str:
+    """``"p = 0.055"``, or ``"p < 0.001"``."""
+    return "p < 0.001" if p < 1e-3 else f"p = {p:.3f}"
+
+
+def seed_verdict(a: Iterable[float | None], b: Iterable[float | None], lower_is_better: bool,
+                 detail: bool = True) -> tuple[str, float, float]:
+    """The verdict of the claim 'a is better than b' over seeds by both rules of :func:`seed_rules`, each named in
+    the text, with the two means: ``"agree at 2 s.e. (difference 4.00 > 2 s.e. = 2.58); undecided by Welch's
+    t-test (p = 0.055, df = 2.9: needs > 3.22 s.e. = 4.16)"``; ``detail=False``: the two verdicts and the p-value
+    only (``"agree at 2 s.e., undecided by Welch's t-test (p = 0.055)"``)."""
+    r = seed_rules(a, b, lower_is_better)
+    ma, mb = r["mean_a"], r["mean_b"]
+    if r["why"] == "fewer than 2 seeds":
+        return "undecided (fewer than 2 seeds: neither the 2 s.e. rule nor Welch's t-test applies)", ma, mb
+    if r["p"] is None:
+        return f"{r['by_2se']} ({r['why']}) at 2 s.e. and by Welch's t-test", ma, mb
+    by_se, by_t, diff, se = r["by_2se"], r["by_welch"], abs(r["diff"]), r["se"]
+    if not detail:
+        return f"{by_se} at 2 s.e., {by_t} by Welch's t-test ({p_text(r['p'])})", ma, mb
+    return (f"{by_se} at 2 s.e. (difference {diff:.2f} {'≤' if by_se == 'undecided' else '>'} 2 s.e. = "
+            f"{2 * se:.2f}); {by_t} by Welch's t-test ({p_text(r['p'])}, df = {r['df']:.1f}: needs > "
+            f"{r['q']:.2f} s.e. = {r['q'] * se:.2f})"), ma, mb
+
 
 def labelled_checkpoint(spec: str) -> tuple[str, str]:
     """argparse ``type`` of a benchmark's ``--ckpt LABEL=PATH``: split at the *last* ``=``, since labels may

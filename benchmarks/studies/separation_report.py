@@ -37,7 +37,7 @@ from string import Template
 import numpy as np
 
 from benchmarks.lib.jobs import thread_env, train_job
-from benchmarks.lib.results import RESULTS, ROOT, made_by, script_command, seed_verdict, write_results
+from benchmarks.lib.results import RESULTS, ROOT, made_by, script_command, seed_rules, write_results
 from src.reports.tables import group_rows, summarise
 from src.separation import implicit_bias as ib
 from src.separation import regions as rg
@@ -566,19 +566,26 @@ def markdown(jobs, exact, made, meta) -> str:
         fitted = max(max(dl), max(fl)) < 0.1  # both models approximate f_δ: only then do their norms mean anything
 
         def lower_at_every_d(kind) -> str:
-            """Is ``kind``'s weight ∞-norm below the FFN's at every d, over seeds (src.reports.tables.seed_verdict)?"""
-            per_d = {}
+            """Is ``kind``'s weight ∞-norm below the FFN's at every d, over seeds — at 2 s.e. and by Welch's t-test
+            (:func:`benchmarks.lib.results.seed_rules`), each verdict naming its rule?"""
+            rules = {}
             for d in ds:
                 a, b = (by[f"{k} d={d}"].get("by_seed") or {} for k in (kind, "FFN"))
-                per_d[d] = seed_verdict([m["test/weight_inf_norm"] for m in a.values()],
-                                        [m["test/weight_inf_norm"] for m in b.values()], lower_is_better=True)[0]
-            if all(v.startswith("agree") for v in per_d.values()):
-                return AGREE
-            if any(v.startswith("disagree") for v in per_d.values()):
-                return DISAGREE + " (higher at d = " + ", ".join(str(d) for d, v in per_d.items()
-                                                                if v.startswith("disagree")) + ")"
-            return "**undecided** (within 2 s.e. of the seeds at d = " + ", ".join(
-                str(d) for d, v in per_d.items() if not v.startswith("agree")) + ")"
+                rules[d] = seed_rules([m["test/weight_inf_norm"] for m in a.values()],
+                                      [m["test/weight_inf_norm"] for m in b.values()], lower_is_better=True)
+
+            def by_rule(rule: str, name: str, within: str) -> str:
+                per_d = {d: r[rule] for d, r in rules.items()}
+                if all(v == "agree" for v in per_d.values()):
+                    return f"{AGREE} {name}"
+                if any(v == "disagree" for v in per_d.values()):
+                    return f"{DISAGREE} {name} (higher at d = " + ", ".join(
+                        str(d) for d, v in per_d.items() if v == "disagree") + ")"
+                return f"**undecided** {name} ({within} at d = " + ", ".join(
+                    str(d) for d, v in per_d.items() if v != "agree") + ")"
+
+            return (by_rule("by_2se", "at 2 s.e.", "within 2 s.e. of the seeds") + ", "
+                    + by_rule("by_welch", "by Welch's t-test", "p ≥ 0.05"))
 
         out.append(section["steep_claims"].substitute(
             dims=ds, ffn_norms=shown("FFN"), deq_norms=shown("DEQ"), deq_linf=shown("DEQ", "test/linf"),

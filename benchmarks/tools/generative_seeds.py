@@ -24,9 +24,11 @@ AIS on ≥ 500 test images):
 - the metrics at the same training wall time: the budget is the time the fastest variant needed for all its
   seeds to reach the last step, and each seed of each variant is read at its last checkpoint trained within it;
 - verdicts: each DEQ variant against each explicit one, on each quality metric, at equal steps and at equal
-  wall time; agree / disagree when the DEQ is better / worse by more than twice the standard error of the
-  difference over seeds (:func:`src.reports.tables.seed_verdict`), undecided otherwise (a tie within the seeds'
-  noise: consistent with "DEQ ≥ explicit", not a proof of it);
+  wall time, by two rules, each named (:func:`benchmarks.lib.results.seed_verdict`): at 2 s.e., agree / disagree
+  when the DEQ is better / worse by more than twice the standard error of the difference over seeds, and by
+  Welch's t-test, when its two-sided p < 0.05; undecided otherwise (a tie within the seeds' noise: consistent
+  with "DEQ ≥ explicit", not a proof of it); for ``vae``, AIS paired by test image, at 2 s.e. of the mean paired
+  difference and by the paired t-test;
 - curves of every metric against steps and against wall time, mean over seeds with a ± sd band.
 
 Writes ``<name>.json`` (every seed's points, so ``--render`` rebuilds the rest), ``<name>.md`` and
@@ -42,7 +44,15 @@ import re
 from pathlib import Path
 
 from benchmarks.lib.generative_grids import GRIDS
-from benchmarks.lib.results import fmt, result_options, script_command, seed_verdict, write_results
+from benchmarks.lib.results import (
+    fmt,
+    one_sample_t_test,
+    p_text,
+    result_options,
+    script_command,
+    seed_verdict,
+    write_results,
+)
 from src.reports.tables import figure, markdown_table, summarise
 
 PROTOCOL = ("grid", "experiment", "eval_overrides", "real_fid_n")
@@ -199,9 +209,9 @@ def verdicts(res: dict, budget: float | None) -> list[str]:
             for key, label, _ in COSTS:
                 verdict, ma, mb = seed_verdict([(r.get("train") or {}).get(key) for r in runs[deq].values()],
                                                [(r.get("train") or {}).get(key) for r in runs[other].values()],
-                                               lower_is_better=True)
+                                               lower_is_better=True, detail=False)
                 if not (math.isnan(ma) or math.isnan(mb)) and mb:
-                    lines.append(f"- \"{deq} needs less {label} than {other}\": {verdict.split(' (')[0]}; "
+                    lines.append(f"- \"{deq} needs less {label} than {other}\": {verdict}; "
                                  f"ratio {ma / mb:.2f}")
     return lines
 
@@ -229,8 +239,11 @@ def paired_lines(res: dict) -> list[str]:
                 m, sd, n = summarise(pooled)
                 se = sd / math.sqrt(n)
                 verdict = "agree" if m > 2 * se else "disagree" if m < -2 * se else "undecided"
+                _t, df, p, q = one_sample_t_test((m, sd, n))
+                by_t = ("agree" if m > 0 else "disagree") if abs(m) > q * se else "undecided"
                 lines.append(f"- {deq} − {other}: {m:+.3f} ± {se:.3f} nats over {n} (seed, image) pairs "
-                             f"→ {verdict} at 2 s.e.; " + "; ".join(per_seed))
+                             f"→ {verdict} at 2 s.e., {by_t} by the paired t-test ({p_text(p)}, df = {df:.0f}); "
+                             + "; ".join(per_seed))
     return lines
 
 
@@ -270,14 +283,18 @@ def render(res: dict) -> str:
                   *shared_machine_caveat(meta),
                   *markdown_table(head, rows), ""]
     lines += ["## Verdicts", "",
-              ("agree: the DEQ is better by more than twice the standard error of the difference over seeds; "
-               "disagree: worse by as much; undecided: within it (a tie at this many seeds)."), "",
+              ("Each verdict names its rule. At 2 s.e.: agree when the DEQ is better by more than twice the "
+               "standard error of the difference over seeds (sample sds, no t-correction: lenient at 3 seeds), "
+               "disagree when worse by as much, undecided within it (a tie at this many seeds). By Welch's t-test: "
+               "the same when its two-sided p < 0.05, i.e. the difference exceeds t₀.₉₇₅(df) s.e. at the "
+               "Welch–Satterthwaite df (about 2.8-4.3 s.e. at 3 seeds a side)."), "",
               *verdicts(res, budget), ""]
     paired = paired_lines(res) if meta["grid"] == "vae" else []
     if paired:
         lines += ["## AIS log p(x) paired by test image (DEQ arm − other arm)", "",
                   ("Same images in every run; agree: the DEQ arm higher by more than 2 s.e. of the mean paired "
-                   "difference (images of all seeds pooled; the per-seed means show the seeds' spread)."), "",
+                   "difference (images of all seeds pooled; the per-seed means show the seeds' spread), or by the "
+                   "paired t-test (two-sided p < 0.05 at n − 1 df)."), "",
                   *paired, ""]
     lines += [f"Curves (mean over seeds, band ± sd): `{meta['name']}.png`", ""]
     return "\n".join(lines)

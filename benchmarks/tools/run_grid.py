@@ -234,7 +234,8 @@ CLAIMS = (("test/sm_loss", "test SM loss", True), ("test/log_likelihood", "test 
 
 def gaussian_claim_lines(results) -> list[str]:
     """The paper's Table 3 claims — DEQ-SM better than SM 16-layer on each figure, as its table shows at D = 100
-    and 200 — decided over seeds (:func:`seed_verdict`: 2 s.e. of the difference), where both have ≥ 2 seeds."""
+    and 200 — decided over seeds by both rules of :func:`seed_verdict` (2 s.e. of the difference; Welch's t-test),
+    where both have ≥ 2 seeds."""
     lines = []
     for g in dict.fromkeys(r["group"] for r in results):
         if not g.startswith("gaussian"):
@@ -315,7 +316,11 @@ def to_markdown(results, columns, meta) -> str:
         lines += ["### Targets (DEQ-SM DKEF)", "", *targets, ""]
     claims = gaussian_claim_lines(results)
     if claims:
-        lines += ["### The paper's Table 3 claims, over seeds (2 s.e. of the difference)", "", *claims, ""]
+        lines += ["### The paper's Table 3 claims, over seeds (2 s.e. of the difference; Welch's t-test)", "",
+                  ("Each verdict names its rule: at 2 s.e., agree / disagree when the means differ by more than "
+                   "twice the standard error of their difference (sample sds, no t-correction); by Welch's t-test, "
+                   "when its two-sided p < 0.05 (the difference beyond t₀.₉₇₅(df) s.e., Welch–Satterthwaite df)."),
+                  "", *claims, ""]
     targets = nice_target_lines(results)
     if targets:
         lines += ["### Targets (DEQ-SSM NICE, issue 14)", "", *targets, ""]
