@@ -33,6 +33,7 @@ CURVES = re.compile(r"(vae|ncsn)_mnist_curves")
 REBUILT_BY = {
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_table3": "benchmarks.tools.run_grid dkef --render --name dkef_table3",
+    "dkef_paper_protocol": "benchmarks.tools.dkef_paper_protocol --render",
     "ncsn_protocol_probe_a": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_a",
     "vae_mnist_campaign": "benchmarks.tools.generative_seeds vae --render --name vae_mnist_campaign",
     "ncsn_protocol_probe_b": "benchmarks.tools.training_curves ncsn --render --name ncsn_protocol_probe_b",
@@ -67,7 +68,6 @@ RETIRED = {
     "ais_bias_vae": ("benchmarks/studies/ais_bias.py", RETIRED_AT, "--render --name ais_bias_vae"),
     "deq_recurrence": ("benchmarks/studies/deq_recurrence.py", RETIRED_AT, "--render"),
     "deq_solvers": ("benchmarks/studies/deq_solvers.py", RETIRED_AT, "--render"),
-    "dkef_paper_protocol": ("benchmarks/tools/dkef_paper_protocol.py", RETIRED_AT, "--render"),
     "dkef_step_profile": ("benchmarks/tools/dkef_step_profile.py", RETIRED_AT, "--render"),
     "ncsn_block_divergence": ("benchmarks/studies/ncsn_block_divergence.py", RETIRED_AT, "--render"),
     "ncsn_memory_cause": ("benchmarks/studies/ncsn_memory_cause.py", RETIRED_AT, "--render"),
