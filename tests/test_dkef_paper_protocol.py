@@ -83,3 +83,14 @@ def test_table3_claims_compare_the_deq_with_every_depth_run_at_two_seeds_or_more
     assert lines[0].startswith("- gaussian100: DEQ-SM (3 seeds) beats SM 16-layer (3) on test SM loss: agree at 2 s.e. "
                                "(difference 2.00 > 2 s.e. = 1.63); undecided by Welch's t-test (p = 0.070")
     assert lines[0].endswith("— -47.00 vs -45.00; paper -46.03 vs -44.92")
+
+
+def test_a_collected_table_says_how_its_grids_ran_not_how_the_collect_call_did():
+    meta = {"command": "collect", "machine": "x86_64, 2 cores", "device": "cpu", "python": "3", "torch": "2",
+            "parallel_jobs": 1, "threads_per_job": None, "collect": True, "grid_commands": ["g1", "g2"]}
+    rows = [{"group": "gaussian100", "method": "DEQ-SM", "seed": 0, "ok": True, "metrics": {"test/sm_loss": -1.0}}]
+    line = run_grid.to_markdown(rows, run_grid.DKEF_COLUMNS, meta).splitlines()[2]
+    assert line.endswith("; 1 job(s) at once, default torch thread(s) each")
+    meta["ran_with"] = "g1 and g2 at once, each --jobs 1 --threads 1"
+    line = run_grid.to_markdown(rows, run_grid.DKEF_COLUMNS, meta).splitlines()[2]
+    assert line == "Machine: x86_64, 2 cores; device cpu; python 3; torch 2; g1 and g2 at once, each --jobs 1 --threads 1"

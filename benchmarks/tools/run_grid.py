@@ -286,10 +286,12 @@ def nice_target_lines(results) -> list[str]:
 
 
 def to_markdown(results, columns, meta) -> str:
+    # how the jobs ran: this call's --jobs / --threads, or for a --collect of grids run elsewhere, --ran-with
+    ran = meta.get("ran_with") or (f"{meta['parallel_jobs']} job(s) at once, {meta['threads_per_job'] or 'default'} "
+                                   "torch thread(s) each")
     lines = [f"Command: `{meta['command']}`", "",
              f"Machine: {meta['machine']}; device {meta['device']}; python {meta['python']}; torch {meta.get('torch')}; "
-             f"{meta['parallel_jobs']} job(s) at once, {meta['threads_per_job'] or 'default'} torch thread(s) each"
-             + (f"; GPU {meta['gpu']}" if meta.get("gpu") else ""), ""]
+             f"{ran}" + (f"; GPU {meta['gpu']}" if meta.get("gpu") else ""), ""]
     if meta.get("note"):
         lines += [meta["note"].rstrip(), ""]
     if meta.get("collect"):
@@ -496,12 +498,21 @@ def main(argv=None):
     p.add_argument("--old-label", default="committed")
     p.add_argument("--old-keep-rest", action="store_true",
                    help="with --old: keep the file's rows of methods this grid did not re-run, under their own names")
-    p.add_argument("--note", type=Path, default=None, help="a markdown file printed above the tables")
+    p.add_argument("--note", type=Path, default=None,
+                   help="a markdown file printed above the tables (with --render: stored in the saved JSON first)")
+    p.add_argument("--ran-with", default=None,
+                   help="with --collect (or --render: stored in the saved JSON first): how the collected grids' jobs "
+                        "ran, shown on the machine line instead of this call's --jobs / --threads, e.g. 'two grids at "
+                        "once, each --jobs 1 --threads 1: 2 jobs on 2 cores, 1 torch thread each'")
     args = p.parse_args(argv)
     grid_fn = GRIDS[args.grid][0]
     if args.render:
         stem = args.name or (args.grid + ("" if args.device == "cpu" else f"_{args.device}"))
         data = json.loads((args.out / f"{stem}.json").read_text())
+        if args.note or args.ran_with:  # facts written after the run: into the JSON, then the table from it
+            data["meta"] |= ({"note": args.note.read_text()} if args.note else {}) | (
+                {"ran_with": args.ran_with} if args.ran_with else {})
+            write_results(args.out, stem, data, lambda d: render(d, args.grid), indent=2)
         (args.out / f"{stem}.md").write_text(render(data, args.grid))
         figures = plot(data["jobs"], args.out, stem)
         print("wrote", args.out / f"{stem}.md", *figures)
@@ -520,6 +531,8 @@ def main(argv=None):
             "python": platform.python_version(), "parallel_jobs": args.jobs, "threads_per_job": args.threads,
             "command": "python -m benchmarks.tools.run_grid " + shlex.join(argv if argv is not None else sys.argv[1:]),
             "collect": args.collect, "grid_commands": args.grid_command}
+    if args.ran_with:
+        meta["ran_with"] = args.ran_with
     try:
         import torch
 
