@@ -280,3 +280,16 @@ def test_paper_table_grids_compose_the_papers_block_and_stop_rule(overrides):
     deq = compose_train(overrides).deq
     assert (deq.enabled, deq.norm, float(deq.norm_lambda), deq.stop_mode, float(deq.tol)) == (
         True, "frobenius", 2.0, "abs", 1e-5)
+
+
+def test_training_curves_render_stores_a_note_in_the_result_and_shows_it(tmp_path):
+    """``--render --note``: a fact written after the runs (which points were copied from another result) goes into
+    the JSON's meta.note and the table, below the machine line."""
+    name = "ncsn_long_extension_seed0"
+    shutil.copy(RESULTS / f"{name}.json", tmp_path / f"{name}.json")
+    note = tmp_path / "note.md"
+    note.write_text("Points up to 6000 steps are copies.\n")
+    training_curves.main(["ncsn_long", "--render", "--out", str(tmp_path), "--name", name, "--note", str(note)])
+    assert json.loads((tmp_path / f"{name}.json").read_text())["meta"]["note"] == note.read_text()
+    md = (tmp_path / f"{name}.md").read_text()
+    assert "per process\n\nPoints up to 6000 steps are copies.\n\nEach checkpoint tested" in md

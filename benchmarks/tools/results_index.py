@@ -141,7 +141,9 @@ SHOWS = {
     "ncsn_long_extension_seed0": "Issue 48: does the FID stop improving after 6000 steps? Seed 0 continued past the "
                                  "protocol (FID of 1000 samples): RefineNet SSM-VR 199.4 → 191.6 at 7500, the DSM "
                                  "TwoRes reference 170.6 → 168.0 → 158.4 at 7500 / 9000 — gains within 1 bootstrap sd a "
-                                 "checkpoint, against 38–97 from 4500 to 6000.",
+                                 "checkpoint, against 38–97 from 4500 to 6000. Its points up to 6000 steps are "
+                                 "copies of `ncsn_long_campaign_seed0`'s (each run continued from a copy of the "
+                                 "campaign's; its note says so).",
     "ncsn_mnist_campaign": "The NCSN decision of issue 48 over seeds (experiment=ncsn_mnist_long, 6000 steps, FID of 1000 "
                            "samples ± bootstrap sd, test DSM, saved bytes and time per step): the DEQ of record, its "
                            "one-pass control, TwoRes and RefineNet (SSM-VR), 3 seeds of each; equal-step "
@@ -195,7 +197,10 @@ SHOWS = {
                                  "whitening, the LL estimator).",
     "notes/dkef_table3": "The note printed above `dkef_table3.md` (`--note`): the protocol, and why early stopping "
                          "with patience 20 selects the full-length runs' checkpoints (checked on seed 0 of both "
-                         "100-d methods).",
+                         "100-d methods against two full-length runs that are not committed).",
+    "notes/ncsn_long_extension_seed0": "The note printed under `ncsn_long_extension_seed0.md`'s machine line "
+                                       "(`--note`): its points up to 6000 steps are copies of the campaign's seed-0 "
+                                       "runs; only 7500 and 9000 steps are new.",
     "notes/ncsn_protocol": "How experiment=ncsn_mnist_long's NCSN protocol was chosen: probes A and B side by side, "
                            "NCSNv2's rules computed for MNIST.",
     "notes/ncsn_deq_cost_frontier": "The note printed under `ncsn_deq_cost.md`'s frontier table (`--note`): why "

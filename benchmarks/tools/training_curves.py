@@ -43,7 +43,7 @@ from pathlib import Path
 
 from benchmarks.lib.generative_grids import GRIDS
 from benchmarks.lib.jobs import run_module
-from benchmarks.lib.results import ROOT, shown, write_results
+from benchmarks.lib.results import ROOT, note_lines, shown, write_results
 from benchmarks.lib.runs import slug
 from src.reports.tables import figure, markdown_table
 
@@ -218,7 +218,7 @@ def render(res: dict) -> str:
     else:
         ran = [f"Command: `{res['meta']['command']}`"]
     lines = [f"# Training curves: {res['meta']['grid']} ({res['meta']['experiment']})", "", *ran, "",
-             f"Machine: {res['meta']['machine']}", "",
+             f"Machine: {res['meta']['machine']}", "", *note_lines(res["meta"]),
              f"Each checkpoint tested with `python -m src.evaluate ckpt_path=<checkpoint> "
              f"{' '.join(res['meta']['eval_overrides'])}`. Wall time = summed training step time "
              "(validation, test and start-up excluded)." + (
@@ -315,6 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--render", action="store_true", help="run nothing: rebuild markdown and figure from JSON")
     ap.add_argument("--merge", nargs="+", type=Path, default=None, metavar="JSON",
                     help="run nothing: join these partial results (one grid and protocol) into --out/--name")
+    ap.add_argument("--note", type=Path, default=None,
+                    help="with --render or --merge: a markdown note about how the result was made (e.g. which points "
+                         "were copied from another result), stored in the JSON's meta.note and shown below the "
+                         "machine line")
     args = ap.parse_args(argv)
     grid = GRIDS[args.grid]
     args.name = args.name or f"{args.grid}_mnist_curves"
@@ -322,11 +326,11 @@ def main(argv: list[str] | None = None) -> None:
     args.every = args.every or args.steps // 4
     args.extra = args.extra.split()
     res_path = Path(args.out) / f"{args.name}.json"
-    if args.render:
-        save(json.loads(res_path.read_text()), args)
-        return
-    if args.merge:
-        save(merge(args.merge, Path(args.out), args.name), args)
+    if args.render or args.merge:
+        res = json.loads(res_path.read_text()) if args.render else merge(args.merge, Path(args.out), args.name)
+        if args.note:
+            res["meta"]["note"] = args.note.read_text()
+        save(res, args)
         return
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
