@@ -147,9 +147,9 @@ SHOWS = {
     "ncsn_mnist_campaign": "The NCSN decision of issue 48 over seeds (experiment=ncsn_mnist_long, 6000 steps, FID of 1000 "
                            "samples ± bootstrap sd, test DSM, saved bytes and time per step): the DEQ of record, its "
                            "one-pass control, TwoRes and RefineNet (SSM-VR), 3 seeds of each; equal-step "
-                           "and equal-time verdicts at 2 s.e. (`python -m benchmarks.tools.seeds_campaign ncsn_long "
-                           "--root <data dir> --parallel 1 --seeds 0,1,2 --curve-seeds 0`, two such processes side by "
-                           "side on 2 cores).",
+                           "and equal-time verdicts at 2 s.e. and by Welch's t-test "
+                           "(`python -m benchmarks.tools.seeds_campaign ncsn_long --root <data dir> --parallel 1 "
+                           "--seeds 0,1,2 --curve-seeds 0`, two such processes side by side on 2 cores).",
     "ncsn_protocol_probe_b": "NCSN protocol probe B (issue 48): the same with NCSNv2's rules (σ₁ 16.9, 95 levels, "
                              "unconditional network, T = 5, ε 1.1e-5): FID of 500 samples (`notes/ncsn_protocol.md`).",
     "ncsn_mnist_curves": "Paper Table 5 protocol on MNIST, 600 steps: FID and test DSM / SSM-VR losses against "
