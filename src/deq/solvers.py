@@ -7,13 +7,17 @@
 
 Stopping: per sample, ‖f(z) − z‖ ≤ tol (``abs``) or ≤ tol·‖f(z)‖ (``rel``), L2 over non-batch dimensions;
 the solve stops when every sample meets it or after ``max_iter`` evaluations of f. The defaults of every keyword
-(solver, tol, stop_mode, max_iter, anderson_m, anderson_beta) are :class:`src.deq.config.DEQConfig`'s, their one
-definition.
+(solver, tol, stop_mode, max_iter, anderson_m, anderson_beta, anderson_lam, broyden_memory) are
+:class:`src.deq.config.DEQConfig`'s, their one definition.
+
+Trajectory (``keep``): the iterates after the evaluations of f numbered in ``keep`` (1-based), for the fixed-point
+correction of Bai et al. (2022) (:func:`src.deq.equilibrium.equilibrium`); a solve that stops before one of them
+keeps its final iterate there, as TorchDEQ's indexing does. Empty (the default): nothing is kept.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +30,7 @@ class SolverResult:
     iterations: int
     residual: torch.Tensor  # [B] final ‖f(z) − z‖ per sample (absolute, whatever the stop_mode)
     converged: bool
+    trajectory: list = field(default_factory=list)  # the iterates at the evaluations numbered in ``keep``
 
 
 def _residual(fz: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
@@ -39,21 +44,28 @@ def _done(res: torch.Tensor, fz: torch.Tensor, tol: float, stop_mode: str) -> bo
 
 
 @torch.no_grad()
-def picard(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, **_) -> SolverResult:
+def picard(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, keep=(), **_) -> SolverResult:
     z = z0
     res = torch.full((z0.shape[0],), float("inf"), device=z0.device, dtype=z0.dtype)
+    kept = []
     for it in range(1, max_iter + 1):
         fz = f(z)
         res = _residual(fz, z)
         z = fz
+        if keep and it in keep:
+            kept.append(fz)
         if _done(res, fz, tol, stop_mode):
-            return SolverResult(z, it, res, True)
-    return SolverResult(z, max_iter, res, False)
+            return SolverResult(z, it, res, True, kept)
+    return SolverResult(z, max_iter, res, False, kept)
 
 
 @torch.no_grad()
 def anderson(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, anderson_m=_D.anderson_m,
-             anderson_beta=_D.anderson_beta, lam=1e-8, **_):
+             anderson_beta=_D.anderson_beta, anderson_lam=_D.anderson_lam, keep=(), **_):
+    """Anderson acceleration (type II) with memory ``anderson_m``, mixing ``anderson_beta`` and the Tikhonov
+    regulariser ``anderson_lam`` × the mean diagonal of the residuals' Gram matrix."""
+    lam = anderson_lam
+    kept = []
     bsz = z0.shape[0]
     shape = z0.shape
     m = anderson_m
@@ -63,8 +75,10 @@ def anderson(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode,
     for it in range(1, max_iter + 1):
         fz = f(z.reshape(shape)).reshape(bsz, -1)
         res = (fz - z).norm(dim=1)
+        if keep and it in keep:
+            kept.append(fz.reshape(shape))
         if _done(res, fz, tol, stop_mode):
-            return SolverResult(fz.reshape(shape), it, res, True)
+            return SolverResult(fz.reshape(shape), it, res, True, kept)
         xs.append(z)
         fs.append(fz)
         if len(xs) > m:
@@ -91,15 +105,18 @@ def anderson(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode,
         z = anderson_beta * (alpha[:, :, None] * F).sum(1) + (1 - anderson_beta) * (alpha[:, :, None] * X).sum(1)
     fz = f(z.reshape(shape))
     res = _residual(fz, z.reshape(shape))
-    return SolverResult(fz, max_iter, res, _done(res, fz, tol, stop_mode))
+    return SolverResult(fz, max_iter, res, _done(res, fz, tol, stop_mode), kept)
 
 
 @torch.no_grad()
-def broyden(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, memory=30, **_) -> SolverResult:
+def broyden(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, broyden_memory=_D.broyden_memory,
+            keep=(), **_) -> SolverResult:
     """Limited-memory Broyden ("good" update) on g(z) = f(z) − z, inverse Jacobian B ≈ −I + Σ u vᵀ.
 
-    Keeps the last ``memory`` pairs (u, v): 2·memory extra copies of the state (mind large conv states).
+    Keeps the last ``broyden_memory`` pairs (u, v): 2·memory extra copies of the state (mind large conv states).
     """
+    memory = int(broyden_memory)
+    kept = []
     bsz, shape = z0.shape[0], z0.shape
     z = z0.reshape(bsz, -1)
 
@@ -124,8 +141,10 @@ def broyden(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, 
 
     res = gz.norm(dim=1)
     for it in range(1, max_iter + 1):
+        if keep and it in keep:
+            kept.append(fz.reshape(shape))
         if _done(res, fz, tol, stop_mode):
-            return SolverResult(fz.reshape(shape), it, res, True)
+            return SolverResult(fz.reshape(shape), it, res, True, kept)
         dz = -apply_b(gz)  # Newton-like step  z_new = z - B g
         z_new = z + dz
         g_new, f_new = g(z_new)
@@ -143,18 +162,24 @@ def broyden(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, 
             vs.pop(0)
         z, gz, fz = z_new, g_new, f_new
         res = gz.norm(dim=1)
-    return SolverResult(fz.reshape(shape), max_iter, res, _done(res, fz, tol, stop_mode))
+    return SolverResult(fz.reshape(shape), max_iter, res, _done(res, fz, tol, stop_mode), kept)
 
 
 SOLVER_FUNCTIONS = {"picard": picard, "anderson": anderson, "broyden": broyden}
 
 
 def solve(f, z0, *, method=_D.solver, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode,
-          anderson_m=_D.anderson_m, anderson_beta=_D.anderson_beta):
-    """Solve z = f(z) from z0 with the named method (always under ``no_grad``)."""
+          anderson_m=_D.anderson_m, anderson_beta=_D.anderson_beta, anderson_lam=_D.anderson_lam,
+          broyden_memory=_D.broyden_memory, keep=()):
+    """Solve z = f(z) from z0 with the named method (always under ``no_grad``). ``keep``: 1-based evaluation
+    numbers whose iterates come back in ``SolverResult.trajectory`` (one per entry; the final iterate stands for
+    those the solve did not reach)."""
     try:
         fn = SOLVER_FUNCTIONS[method]
     except KeyError:
         raise ValueError(f"unknown solver {method!r}; valid: {', '.join(SOLVER_FUNCTIONS)}") from None
-    return fn(f, z0, tol=tol, max_iter=max_iter, stop_mode=stop_mode, anderson_m=anderson_m,
-              anderson_beta=anderson_beta)
+    result = fn(f, z0, tol=tol, max_iter=max_iter, stop_mode=stop_mode, anderson_m=anderson_m,
+                anderson_beta=anderson_beta, anderson_lam=anderson_lam, broyden_memory=broyden_memory, keep=keep)
+    if keep:
+        result.trajectory = result.trajectory + [result.z] * (len(keep) - len(result.trajectory))
+    return result
