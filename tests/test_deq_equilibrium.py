@@ -1,4 +1,4 @@
-"""The public equilibrium function (src/deq/equilibrium.py), float64, against independent references: a long
+"""The public equilibrium function (src/deq/core.py), float64, against independent references: a long
 unroll of the map (exact derivatives of every order in the limit), dense Jacobians (the phantom gradient's K-term
 Neumann series, Prop. 2), and hand-run Picard iterates (the fixed-point correction states)."""
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from src.deq import DEQConfig, equilibrium
-from src.deq.equilibrium import correction_weights, jacobian_penalty
+from src.deq.core import correction_weights, jacobian_penalty
 from src.deq.maps import dense_map
 
 D, W = 3, 5

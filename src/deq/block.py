@@ -1,5 +1,5 @@
 """DEQ blocks: z* = f(z*; x) with f a contraction (paper eq. 5, §3.2), in two backward modes, built on
-:func:`src.deq.equilibrium.equilibrium` (the solve, the backward and the info record live there).
+:func:`src.deq.core.equilibrium` (the solve, the backward and the info record live there).
 
 - ``phantom`` (paper Alg. 1): solve z* under ``no_grad``, then K = ``phantom_steps`` iterations of f with
   autograd from the detached z*. Derivatives w.r.t. x are the K-term Neumann series of (I − J)⁻¹
@@ -21,8 +21,8 @@ import torch
 from torch import nn
 
 from src.deq.config import DEQConfig
-from src.deq.equilibrium import PHASE_PHANTOM, EquilibriumInfo, NonConvergenceWarning, equilibrium
-from src.deq.equilibrium import jacobian_penalty as _penalty_estimate
+from src.deq.core import PHASE_PHANTOM, EquilibriumInfo, NonConvergenceWarning, equilibrium
+from src.deq.core import jacobian_penalty as _penalty_estimate
 from src.deq.maps import (
     ConditionalResidualMap,
     ConvMap,
@@ -71,8 +71,8 @@ class DEQBlock(nn.Module):
       ordinary parameters of φ (blocks without conditioning take none);
     - ``state_shape(x)``: the shape of z.
 
-    The forward is :func:`src.deq.equilibrium.equilibrium` of φ with p, from the warm start (:meth:`initial_state`,
-    :meth:`remember`). After each forward, ``last_info`` is its :class:`~src.deq.equilibrium.EquilibriumInfo` —
+    The forward is :func:`src.deq.core.equilibrium` of φ with p, from the warm start (:meth:`initial_state`,
+    :meth:`remember`). After each forward, ``last_info`` is its :class:`~src.deq.core.EquilibriumInfo` —
     the public record of the last forward: its solve statistics, the adjoint solves run since (implicit mode), the
     Jacobian penalty of a training forward (``deq.jacobian_penalty`` > 0, already × γ: :meth:`jacobian_penalty`
     on ``deq.jacobian_penalty_rows`` samples) and the fixed-point correction states (``deq.correction_states``).
@@ -107,7 +107,7 @@ class DEQBlock(nn.Module):
 
     @property
     def warn(self) -> NonConvergenceWarning:
-        """The block's throttled non-convergence warning, passed to :func:`~src.deq.equilibrium.equilibrium`."""
+        """The block's throttled non-convergence warning, passed to :func:`~src.deq.core.equilibrium`."""
         self._warn.name = self.name  # the name may be set after construction
         return self._warn
 
@@ -220,7 +220,7 @@ class DEQBlock(nn.Module):
         (the map is evaluated again on those rows at the detached z*, with its parameters p recomputed from
         x and ``cond`` with autograd; z* itself is held fixed, as in the reference implementation). ``eps``: a
         given probe (tests). Not scaled by ``deq.jacobian_penalty``: a training forward records γ × this in
-        ``last_info.jacobian_penalty`` (:func:`src.deq.equilibrium.jacobian_penalty` is the estimate)."""
+        ``last_info.jacobian_penalty`` (:func:`src.deq.core.jacobian_penalty` is the estimate)."""
         rows = int(self.config.jacobian_penalty_rows) or x.shape[0]
         rows = min(rows, x.shape[0])
         params = self.map_params(x[:rows], *(c[:rows] if torch.is_tensor(c) and c.dim() else c for c in cond))

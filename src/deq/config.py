@@ -63,7 +63,7 @@ class DEQConfig:
     # n_states): > 0 makes a training forward return this many differentiable states taken along the solve's
     # trajectory at evaluations max_iter·i/n (i = 1..n; a solve that stops earlier gives its final iterate there),
     # each the phantom steps (Alg. 1) applied from the detached iterate, the last one the block's output; the loss
-    # weights them by correction_gamma^(n − i) (src.deq.equilibrium.correction_weights). 0 = off.
+    # weights them by correction_gamma^(n − i) (src.deq.core.correction_weights). 0 = off.
     correction_states: int = 0
     correction_gamma: float = 0.8
     phantom_steps: int = 2

@@ -18,7 +18,7 @@ def blocks_of(module: nn.Module) -> list[tuple[str, DEQBlock]]:
 
 @contextmanager
 def forward_infos(module: nn.Module):
-    """Within the block, the info record (:class:`src.deq.equilibrium.EquilibriumInfo`) of every DEQ block forward
+    """Within the block, the info record (:class:`src.deq.core.EquilibriumInfo`) of every DEQ block forward
     inside ``module``, in call order, as ``[(block name, info)]`` — the list this yields, filled as the forwards
     run (by forward hooks on the blocks, removed on exit; the blocks keep nothing for it). A LightningModule
     wraps its training objective in it to collect each forward's Jacobian penalty or correction states."""

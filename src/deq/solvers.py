@@ -11,7 +11,7 @@ the solve stops when every sample meets it or after ``max_iter`` evaluations of 
 :class:`src.deq.config.DEQConfig`'s, their one definition.
 
 Trajectory (``keep``): the iterates after the evaluations of f numbered in ``keep`` (1-based), for the fixed-point
-correction of Bai et al. (2022) (:func:`src.deq.equilibrium.equilibrium`); a solve that stops before one of them
+correction of Bai et al. (2022) (:func:`src.deq.core.equilibrium`); a solve that stops before one of them
 keeps its final iterate there, as TorchDEQ's indexing does. Empty (the default): nothing is kept.
 """
 

@@ -16,7 +16,7 @@ DEQ features (paper eq. 5, z* = σ(W z* + g(x))) follow the block's backward mod
 * ``phantom`` (Alg. 1): the solve under ``no_grad``, then the K phantom steps carry the jet from (z*, 0, 0): the
   same K-term Neumann series of the derivatives that autograd through the K steps gives (Prop. 2).
 * ``implicit`` (Prop. 1): the jet (z, J, L) is itself the fixed point of the jet map; it is
-  :func:`src.deq.equilibrium.equilibrium` of that map, whose exact implicit backward gives the parameter gradients.
+  :func:`src.deq.core.equilibrium` of that map, whose exact implicit backward gives the parameter gradients.
 
 Both go through the public DEQ core only: the block's warm start (``initial_state`` / ``remember``), its settings
 (``block.config``), its non-convergence warning (``block.warn``) and ``block.record(info)`` for its statistics.
@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from src.deq.equilibrium import equilibrium, solve_only
+from src.deq.core import equilibrium, solve_only
 from src.deq.maps import dense_map
 from src.models.deq_net import DEQNet
 from src.models.features import MLPFeatures
