@@ -62,47 +62,56 @@ def picard(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, k
 @torch.no_grad()
 def anderson(f, z0, *, tol=_D.tol, max_iter=_D.max_iter, stop_mode=_D.stop_mode, anderson_m=_D.anderson_m,
              anderson_beta=_D.anderson_beta, anderson_lam=_D.anderson_lam, keep=(), **_):
-    """Anderson acceleration (type II) with memory ``anderson_m``, mixing ``anderson_beta`` and the Tikhonov
-    regulariser ``anderson_lam`` × the mean diagonal of the residuals' Gram matrix."""
+    """Anderson acceleration (type II) with memory m = ``anderson_m``, mixing β = ``anderson_beta`` and the
+    Tikhonov regulariser ``anderson_lam`` × the mean diagonal of the residuals' Gram matrix H = G Gᵀ.
+
+    z ← Σ_i α_i (β f(z_i) + (1 − β) z_i), α = H⁻¹1 / 1ᵀH⁻¹1 over the last m iterates. The histories are ring
+    buffers ``[B, m, n]`` written in place, and H is updated by one row per iteration (G g_new, one product with the
+    history) instead of rebuilt (m products): each iteration costs two products with the history, not m + 2 and
+    three stacked copies of it. The order of the history does not change α's combination.
+    """
     lam = anderson_lam
     kept = []
-    bsz = z0.shape[0]
-    shape = z0.shape
-    m = anderson_m
-    xs, fs = [], []  # histories of z_k and f(z_k), flattened [B, n]
+    bsz, shape = z0.shape[0], z0.shape
+    m = int(anderson_m)
     z = z0.reshape(bsz, -1)
+    beta = float(anderson_beta)
+    fs = z.new_empty(bsz, m, z.shape[1])  # f(z_k), g_k = f(z_k) − z_k and (β ≠ 1) z_k of the last m iterates
+    gs = z.new_empty(bsz, m, z.shape[1])
+    xs = z.new_empty(bsz, m, z.shape[1]) if beta != 1.0 else None
+    gram = z.new_zeros(bsz, m, m)
     res = torch.full((bsz,), float("inf"), device=z0.device, dtype=z0.dtype)
     for it in range(1, max_iter + 1):
         fz = f(z.reshape(shape)).reshape(bsz, -1)
-        res = (fz - z).norm(dim=1)
+        g = fz - z
+        res = g.norm(dim=1)
         if keep and it in keep:
             kept.append(fz.reshape(shape))
         if _done(res, fz, tol, stop_mode):
             return SolverResult(fz.reshape(shape), it, res, True, kept)
-        xs.append(z)
-        fs.append(fz)
-        if len(xs) > m:
-            xs.pop(0)
-            fs.pop(0)
-        n = len(xs)
+        slot, n = (it - 1) % m, min(it, m)
+        fs[:, slot] = fz
+        gs[:, slot] = g
+        if xs is not None:
+            xs[:, slot] = z
+        row = torch.bmm(gs[:, :n], g.unsqueeze(2)).squeeze(2)  # [B, n]: the new residual against the history
+        gram[:, slot, :n] = row
+        gram[:, :n, slot] = row
         if n == 1:
             z = fz
             continue
-        G = torch.stack([fs[i] - xs[i] for i in range(n)], dim=1)  # [B, n, d] residual history
-        H = G @ G.transpose(1, 2)  # [B, n, n]
-        # regulariser relative to the Gram matrix's scale
-        reg = lam * H.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)
+        H = gram[:, :n, :n]
+        reg = lam * H.diagonal(dim1=1, dim2=2).mean(-1).clamp_min(1e-30)  # relative to the Gram matrix's scale
         H = H + reg[:, None, None] * torch.eye(n, dtype=z.dtype, device=z.device)
-        ones = torch.ones(bsz, n, 1, dtype=z.dtype, device=z.device)
         try:
-            w = torch.linalg.solve(H, ones)
+            w = torch.linalg.solve(H, torch.ones(bsz, n, 1, dtype=z.dtype, device=z.device))
         except RuntimeError:
             z = fz
             continue
-        alpha = (w / w.sum(1, keepdim=True)).squeeze(-1)  # [B, n], sums to 1
-        X = torch.stack(xs, 1)
-        F = torch.stack(fs, 1)
-        z = anderson_beta * (alpha[:, :, None] * F).sum(1) + (1 - anderson_beta) * (alpha[:, :, None] * X).sum(1)
+        alpha = (w / w.sum(1, keepdim=True)).transpose(1, 2)  # [B, 1, n], sums to 1
+        z = torch.bmm(alpha, fs[:, :n]).squeeze(1)
+        if xs is not None:
+            z = beta * z + (1 - beta) * torch.bmm(alpha, xs[:, :n]).squeeze(1)
     fz = f(z.reshape(shape))
     res = _residual(fz, z.reshape(shape))
     return SolverResult(fz, max_iter, res, _done(res, fz, tol, stop_mode), kept)
