@@ -246,3 +246,43 @@ def test_a_registered_norm_is_a_valid_deq_norm_and_builds_blocks():
             ConvDEQBlock(2, 2, config=DEQConfig(norm="halve_test"))
     finally:
         _NORMS.pop("halve_test")
+
+
+def test_a_training_block_returns_its_correction_states_in_last_info_and_evaluation_none():
+    from src.deq import DenseDEQBlock, correction_weights
+
+    torch.manual_seed(0)
+    block = DenseDEQBlock(3, 5, config=DEQConfig(correction_states=2, max_iter=6, tol=0.0, stop_mode="abs",
+                                                 warm_start=False)).double()
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    block.train()
+    z = block(x)
+    states = block.last_info.states
+    assert len(states) == 2 and states[-1] is z
+    loss = sum(w * s.pow(2).sum() for w, s in zip(correction_weights(2, block.config.correction_gamma), states))
+    (gx,) = torch.autograd.grad(loss, x)
+    assert torch.isfinite(gx).all() and gx.abs().max() > 0
+    params = block.map_params(x)
+    z3 = torch.zeros(4, 5, dtype=torch.float64)
+    with torch.no_grad():
+        for _ in range(3):
+            z3 = block.phi(z3, *params)
+    torch.testing.assert_close(states[0], block.phi(block.phi(z3, *params), *params), rtol=0, atol=1e-14)
+    block.eval()
+    block(x)
+    assert block.last_info.states is None
+
+
+def test_the_normalized_map_with_autograd_products_gives_the_same_implicit_gradient():
+    from src.deq import NormalizedResidualDEQBlock
+    from src.deq.maps import NormalizedResidualMap
+
+    torch.manual_seed(0)
+    block = NormalizedResidualDEQBlock(2, config=DEQConfig(block="normalized_residual", backward="implicit",
+                                                           tol=1e-12, warm_start=False)).double()
+    x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    (hand,) = torch.autograd.grad(block(x).pow(2).sum(), block.kernel1)
+    block.phi = NormalizedResidualMap(block.phi.padding, hand_products=False)
+    assert block.phi.linearize is None
+    (auto,) = torch.autograd.grad(block(x).pow(2).sum(), block.kernel1)
+    torch.testing.assert_close(hand, auto, rtol=1e-9, atol=1e-12)
