@@ -248,6 +248,7 @@ def test_a_registered_norm_is_a_valid_deq_norm_and_builds_blocks():
         _NORMS.pop("halve_test")
 
 
+@pytest.mark.filterwarnings("ignore:DEQ block 'deq'")  # tol 0: the solve runs its 6 evaluations on purpose
 def test_a_training_block_returns_its_correction_states_in_last_info_and_evaluation_none():
     from src.deq import DenseDEQBlock, correction_weights
 
@@ -279,7 +280,7 @@ def test_the_normalized_map_with_autograd_products_gives_the_same_implicit_gradi
 
     torch.manual_seed(0)
     block = NormalizedResidualDEQBlock(2, config=DEQConfig(block="normalized_residual", backward="implicit",
-                                                           tol=1e-12, warm_start=False)).double()
+                                                           tol=1e-9, max_iter=400, warm_start=False)).double()
     x = torch.randn(2, 2, 4, 4, dtype=torch.float64)
     (hand,) = torch.autograd.grad(block(x).pow(2).sum(), block.kernel1)
     block.phi = NormalizedResidualMap(block.phi.padding, hand_products=False)
