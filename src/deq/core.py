@@ -50,7 +50,8 @@ class EquilibriumInfo:
     this call, ``{"solves", "iterations" (max), "residual" (max), "converged", "hit_cap"}`` — empty until a
     backward runs (and always with the phantom backward). ``z_star``: the solver's fixed point (detached).
     ``jacobian_penalty``: ‖εᵀ ∂f/∂z(z*)‖²/n (unscaled, differentiable w.r.t. the map's parameters) when asked for.
-    ``states``: the fixed-point correction states (None when off), last = the output.
+    ``states``: the fixed-point correction states (None when off), last = the output. A record that holds the
+    penalty or the states holds their graphs too (a block keeps its last record until its next forward).
     """
 
     iterations: int = 0
@@ -102,10 +103,9 @@ def _stats(result: SolverResult, max_iter: int) -> dict:
 
 def _reporter(info: EquilibriumInfo, config: DEQConfig, warn: Callable | None) -> Callable[[int, SolverResult], None]:
     """(level, result) ↦ info updated: level 0 the forward solve, level ≥ 1 the adjoint solves (accumulated)."""
-    caps = (int(config.max_iter), int(config.solver_kwargs(adjoint=True)["max_iter"]))
-
     def report(level: int, result: SolverResult) -> None:
-        stats = _stats(result, caps[min(level, 1)])
+        cap = config.max_iter if level == 0 or config.backward_max_iter is None else config.backward_max_iter
+        stats = _stats(result, cap)
         if level == 0:
             info.iterations, info.residual = stats["iterations"], stats["residual"]
             info.converged, info.hit_cap = stats["converged"], stats["hit_cap"]

@@ -99,7 +99,8 @@ def supports_jet(net: nn.Module) -> bool:
         block = net.block
         return (net.kind == "dense" and getattr(block, "phi", None) is dense_map
                 and _supported_module(block.injection) and block.config.backward in ("phantom", "implicit")
-                and not float(block.config.jacobian_penalty) > 0)  # the regulariser lives in the block's forward
+                and not float(block.config.jacobian_penalty) > 0  # the regulariser lives in the block's forward
+                and not int(block.config.correction_states))  # so do the fixed-point correction states
     return False
 
 
