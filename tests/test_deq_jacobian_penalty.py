@@ -77,7 +77,7 @@ def test_expectation_is_the_frobenius_norm_per_entry():
 
 
 @pytest.mark.parametrize("backward", ["phantom", "implicit"])
-def test_training_forward_collects_gamma_times_the_penalty_at_the_fixed_point(backward):
+def test_training_forward_records_gamma_times_the_penalty_at_the_fixed_point(backward):
     block = _dense(gamma=0.5, backward=backward)
     x = torch.randn(4, 3, dtype=torch.float64)
     block.train()
@@ -86,26 +86,47 @@ def test_training_forward_collects_gamma_times_the_penalty_at_the_fixed_point(ba
     eps = torch.randn(4, 6, dtype=torch.float64)
     torch.manual_seed(7)
     block.reset_warm_start()
-    block._penalties = []
     z = block(x)
-    collected = block.pop_penalty()
+    recorded = block.last_info.jacobian_penalty
     expected = 0.5 * _closed_form(block, x, z.detach(), eps)
-    assert collected.item() == pytest.approx(expected.item(), rel=1e-8)
-    assert block.pop_penalty() is None  # popped once
+    assert recorded.item() == pytest.approx(expected.item(), rel=1e-8)
     block.eval()
     block(x)
-    assert block.pop_penalty() is None  # evaluation adds nothing
+    assert block.last_info.jacobian_penalty is None  # evaluation records none
+
+
+def test_penalties_of_several_forwards_are_averaged_per_block():
+    """Two training forwards inside ``forward_infos`` (DKEF calls its features on the data and the inducing
+    points): the monitor adds γ × the mean of their penalties, as recorded in their info records."""
+    from src.deq.lookup import forward_infos
+    from src.lit.deq_monitor import DEQMonitorMixin
+
+    block = _dense(gamma=0.5)
+    block.train()
+    with forward_infos(block) as infos:
+        block(torch.randn(4, 3, dtype=torch.float64))
+        block(torch.randn(5, 3, dtype=torch.float64))
+    assert [name for name, _ in infos] == ["", ""]
+    terms = [info.jacobian_penalty for _, info in infos]
+    monitor = DEQMonitorMixin()
+    logged = {}
+    monitor.log = lambda name, value, **kw: logged.__setitem__(name, value)
+    total = monitor.with_deq_penalty(torch.tensor(1.0, dtype=torch.float64), 4, infos)
+    assert total.item() == pytest.approx(1.0 + 0.5 * (terms[0] + terms[1]).item(), rel=1e-12)
+    assert logged["train/deq_jacobian_penalty"].item() == pytest.approx(total.item() - 1.0, rel=1e-12)
+    block(torch.randn(4, 3, dtype=torch.float64))  # outside: the hooks are gone
+    assert len(infos) == 2
 
 
 def test_no_penalty_without_gradients_or_when_off():
     block = _dense(gamma=0.0)
     block.train()
     block(torch.randn(4, 3, dtype=torch.float64))
-    assert block.pop_penalty() is None
+    assert block.last_info.jacobian_penalty is None
     block = _dense(gamma=1.0)
     with torch.no_grad():
         block(torch.randn(4, 3, dtype=torch.float64))
-    assert block.pop_penalty() is None
+    assert block.last_info.jacobian_penalty is None
 
 
 def test_refused_values():
@@ -154,4 +175,4 @@ def test_dkef_training_loss_carries_the_penalty_and_takes_the_autograd_route():
     (with_penalty,) = torch.autograd.grad(total, weight, retain_graph=True)
     (objective_only,) = torch.autograd.grad(logged["train/loss"], weight)
     assert (with_penalty - objective_only).abs().max().item() > 1e-6
-    assert all(b.pop_penalty() is None for _, b in blocks_of(module))  # popped by the step
+    assert all(b.last_info.jacobian_penalty is not None for _, b in blocks_of(module))  # recorded, not stashed

@@ -8,7 +8,11 @@ steps each. Per arm: median seconds per step, bytes autograd saves for backward 
 the meter of ``src.callbacks.profiling``), forward solver iterations, and *by phase*: the implicit backward's
 nested levels (level 0 the forward solve; level 1 the adjoint solve run inside the objective's create_graph
 derivative ∇ₓ(vᵀs); level 2 the adjoint of that adjoint, run by the loss's backward to the parameters), timed and
-with the bytes saved while each runs (the rest of the network is "outside the DEQ's solves").
+with the bytes saved while each runs (the rest of the network is "outside the DEQ's solves"). The phases are read
+from a ``torch.profiler`` trace of each timed step — the DEQ core's own ``record_function`` spans (``deq.solve``,
+``deq.implicit_backward.level<k>``, ``deq.implicit_backward.solve.level<k>``) and a marker span per saved tensor
+(:func:`phases_of_trace`) — so nothing of the core is replaced; the timed steps' seconds include the profiler's
+overhead (one CPU event per operator).
 
 **Frontier** (``frontier``): 300-step runs at batch 32 of each route (the candidates protocol of
 ``benchmarks/results/deq_recurrence.md``: ``experiment=ncsn_mnist data.batch_size=32``, validation at step 300), read
@@ -105,55 +109,50 @@ AUTHORS_ARMS = {  # arm: (arch, deq, depth, deq overrides of benchmarks.lib.step
 
 
 # ------------------------------------------------------------------------------------------ one arm (worker)
-class _Phases:
-    """Times and saved bytes of the implicit backward's levels: wraps ``_FixedPoint.forward`` / ``backward`` and
-    the phantom backward's solve (a measurement of this process only) and tags every saved tensor with the
-    innermost phase running."""
+OUTSIDE = "outside the DEQ's solves"
+SAVED = "ncsn_deq_cost.saved:"  # this study's own marker span: one per tensor autograd saves, named with its bytes
 
-    def __init__(self, clock=time.perf_counter):
-        self.clock = clock
-        from src.deq import implicit
 
-        self.stack = ["outside the DEQ's solves"]
-        self.seconds = collections.defaultdict(float)
-        fwd, bwd = implicit._FixedPoint.forward, implicit._FixedPoint.backward
-        phases = self
+def phase_of_label(name: str) -> str | None:
+    """The phase of a ``record_function`` label of the DEQ core (:mod:`src.deq.implicit`), None for others:
+    ``deq.solve`` the forward solve, ``deq.implicit_backward.solve.level<k>`` the k-th adjoint solve,
+    ``deq.implicit_backward.level<k>`` the backward of level k (its VJP in p and the nested solves)."""
+    from src.deq.implicit import PHASE_IMPLICIT_BACKWARD, PHASE_SOLVE
 
-        def forward(ctx, phi, solver, report, level, truncation, z0, *params):
-            name = "forward solve (level 0)" if level == 0 else f"adjoint solve, level {level}"
-            with phases.phase(name):
-                return fwd(ctx, phi, solver, report, level, truncation, z0, *params)
+    if name == PHASE_SOLVE:
+        return "forward solve (level 0)"
+    if name.startswith(f"{PHASE_IMPLICIT_BACKWARD}.solve.level"):
+        return f"adjoint solve, level {name.rsplit('level', 1)[1]}"
+    if name.startswith(f"{PHASE_IMPLICIT_BACKWARD}.level"):
+        return f"backward of level {name.rsplit('level', 1)[1]} (VJP in p, nested solves)"
+    return None
 
-        def backward(ctx, u_bar):
-            with phases.phase(f"backward of level {ctx.level} (VJP in p, nested solves)"):
-                return bwd(ctx, u_bar)
 
-        implicit._FixedPoint.forward = staticmethod(forward)
-        implicit._FixedPoint.backward = staticmethod(backward)
-        from src.deq import block as block_module
-
-        solve = block_module.solve
-
-        def timed_solve(*a, **kw):  # the phantom backward's forward solve (no graph)
-            with phases.phase("forward solve (phantom backward)"):
-                return solve(*a, **kw)
-
-        block_module.solve = timed_solve
-
-    @contextlib.contextmanager
-    def phase(self, name):
-        self.stack.append(name)
-        t0 = self.clock()
-        try:
-            yield
-        finally:
-            self.seconds[name] += self.clock() - t0  # inclusive of nested phases
-            self.stack.pop()
+def phases_of_trace(events) -> tuple[dict[str, float], dict[str, int]]:
+    """(seconds, saved bytes) by phase of one profiled step, from its ``torch.profiler`` events: a phase's
+    seconds are its spans' inclusive CPU time (nested phases included, as the levels nest); a saved tensor's bytes
+    go to the innermost phase span around its marker (:data:`SAVED`), else to :data:`OUTSIDE`."""
+    seconds: dict[str, float] = collections.defaultdict(float)
+    saved: dict[str, int] = collections.Counter()
+    for ev in events:
+        phase = phase_of_label(ev.name)
+        if phase is not None:
+            seconds[phase] += ev.cpu_time_total / 1e6
+        elif ev.name.startswith(SAVED):
+            node, where = ev.cpu_parent, OUTSIDE
+            while node is not None:
+                if (label := phase_of_label(node.name)) is not None:
+                    where = label
+                    break
+                node = node.cpu_parent
+            saved[where] += int(ev.name[len(SAVED):])
+    return dict(seconds), dict(saved)
 
 
 def worker(spec: dict) -> dict:
     """One arm, in this process: warm-up and timed steps on MNIST batches; returns its record."""
     import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     from benchmarks.lib.config import train_config
     from benchmarks.lib.step import trainer_free, training_step
@@ -161,7 +160,6 @@ def worker(spec: dict) -> dict:
 
     torch.set_num_threads(int(spec["threads"]))
     clock = CLOCKS[spec.get("clock") or "wall"]
-    phases = _Phases(clock)
     torch.manual_seed(0)
     if spec.get("setting") == "authors":
         from benchmarks.lib.step_cost.ncsn import AUTHORS_SETTINGS
@@ -178,19 +176,18 @@ def worker(spec: dict) -> dict:
         dm = build(cfg.data)
         dm.setup("fit")
         batches = iter(dm.train_dataloader())
-    if spec["arm"] == "record_autograd_products":  # the adjoint solves fall back to autograd's products
-        from src.deq.maps import NormalizedResidualMap
-
-        class AutogradProducts(NormalizedResidualMap):
-            linearize = None
+    if spec["arm"] == "record_autograd_products":  # the adjoint solves take autograd's products: the block's map
+        from src.deq.maps import NormalizedResidualMap  # built again with hand_products=False
 
         for m in module.modules():
             if isinstance(getattr(m, "phi", None), NormalizedResidualMap):
-                m.phi.__class__ = AutogradProducts
-    if spec["arm"] == "record_plain_norms":
+                m.phi = NormalizedResidualMap(m.phi.padding, recompute=m.phi.recompute, hand_products=False)
+    if spec["arm"] == "record_plain_norms":  # the block's map built again with plain-op norms
+        from src.deq.maps import NormalizedResidualMap
+
         for m in module.modules():
-            if hasattr(m, "phi") and hasattr(m.phi, "recompute"):
-                m.phi.recompute = False
+            if isinstance(getattr(m, "phi", None), NormalizedResidualMap):
+                m.phi = NormalizedResidualMap(m.phi.padding, recompute=False)
     optimizers = trainer_free(module)
     from src.deq.lookup import blocks_of
 
@@ -198,26 +195,29 @@ def worker(spec: dict) -> dict:
     steps = []
     for k in range(int(spec["warmup"]) + int(spec["steps"])):
         batch = next(batches)
-        phases.seconds.clear()
-        seen, by_phase = set(), collections.Counter()
+        seen: set = set()
 
-        def pack(t, seen=seen, by_phase=by_phase):
+        def pack(t, seen=seen):  # a marker span per distinct storage saved: its phase is the span around it
             storage = t.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
-                by_phase[phases.stack[-1]] += storage.nbytes()
+                with record_function(f"{SAVED}{storage.nbytes()}"):
+                    pass
             return t
 
-        t0 = clock()
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            training_step(module, batch, optimizers)
-        seconds = clock() - t0
-        if k >= int(spec["warmup"]):
+        timed = k >= int(spec["warmup"])
+        with (profile(activities=[ProfilerActivity.CPU]) if timed else contextlib.nullcontext()) as prof:
+            t0 = clock()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                training_step(module, batch, optimizers)
+            seconds = clock() - t0
+        if timed:
+            by_seconds, by_phase = phases_of_trace(prof.events())
             its = [b.last_stats["iterations"] for b in blocks if b.last_stats]
             adjoint = [b.last_backward_stats["iterations"] for b in blocks if b.last_backward_stats]
             steps.append({"s": seconds, "saved_MB": sum(by_phase.values()) / MB,
                           "saved_MB_by_phase": {p: b / MB for p, b in by_phase.items()},
-                          "seconds_by_phase": dict(phases.seconds),
+                          "seconds_by_phase": by_seconds,
                           "iterations": statistics.mean(its) if its else None,
                           "adjoint_iterations": max(adjoint) if adjoint else None})
     return {"arm": spec["arm"], "steps": steps, "params": sum(p.numel() for p in module.parameters())}

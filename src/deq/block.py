@@ -1,4 +1,5 @@
-"""DEQ blocks: z* = f(z*; x) with f a contraction (paper eq. 5, §3.2), in two backward modes.
+"""DEQ blocks: z* = f(z*; x) with f a contraction (paper eq. 5, §3.2), in two backward modes, built on
+:func:`src.deq.core.equilibrium` (the solve, the backward and the info record live there).
 
 - ``phantom`` (paper Alg. 1): solve z* under ``no_grad``, then K = ``phantom_steps`` iterations of f with
   autograd from the detached z*. Derivatives w.r.t. x are the K-term Neumann series of (I − J)⁻¹
@@ -8,20 +9,20 @@
 
 The map is f(z; x) = φ(z; p) (:mod:`src.deq.maps`) with p = (g(x), normalized weights, …) computed
 *outside* the solver with ordinary autograd: the injection g(x) and the normalization (§3.2) once per call.
-Blocks keep the previous fixed point per batch shape and start the solver there (warm start, §3.4).
+Blocks keep the previous fixed point per batch shape and start the solver there (warm start, §3.4). The weight
+normalization is the strategy ``deq.norm`` names in :mod:`src.deq.normalization`'s registry.
 """
 
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from src.deq.config import DEQConfig
-from src.deq.implicit import PHASE_SOLVE, fixed_point
+from src.deq.core import PHASE_PHANTOM, EquilibriumInfo, NonConvergenceWarning, equilibrium
+from src.deq.core import jacobian_penalty as _penalty_estimate
 from src.deq.maps import (
     ConditionalResidualMap,
     ConvMap,
@@ -30,19 +31,12 @@ from src.deq.maps import (
     ResidualMap,
     dense_map,
 )
-from src.deq.normalization import (
-    conv_lipschitz_factor,
-    conv_spectral_normalize,
-    frobenius_normalize,
-    spectral_normalize,
-)
-from src.deq.solvers import SolverResult, solve
+from src.deq.normalization import SPECTRAL_PROBE, make_norm
+from src.deq.solvers import solve
 
-__all__ = ["ConditionalResidualDEQBlock", "ConvDEQBlock", "DEQBlock", "DenseDEQBlock", "NormalizedResidualDEQBlock",
-           "ResidualDEQBlock", "dense_map"]
+__all__ = ["PHASE_PHANTOM", "SPECTRAL_PROBE", "ConditionalResidualDEQBlock", "ConvDEQBlock", "DEQBlock",
+           "DenseDEQBlock", "NormalizedResidualDEQBlock", "ResidualDEQBlock", "dense_map"]
 
-PHASE_PHANTOM = "deq.phantom_steps"  # profiler label of the K phantom steps (forward; their graph is backpropagated
-# by whoever differentiates the output: the objective's trace / projection pass or the loss's backward)
 _WARM_CACHE_SIZE = 8  # batch shapes remembered: train, last smaller batch, replicated (trace) batches, eval
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
@@ -77,10 +71,14 @@ class DEQBlock(nn.Module):
       ordinary parameters of φ (blocks without conditioning take none);
     - ``state_shape(x)``: the shape of z.
 
-    After each forward, ``last_stats = {"iterations", "residual" (max over samples, absolute ‖f(z) − z‖),
-    "converged", "hit_cap" (ran to ``deq.max_iter`` unconverged)}``; in implicit mode ``last_backward_stats``
-    sums up the adjoint solves run since the last forward (``{"solves", "iterations" (max), "residual" (max),
-    "converged", "hit_cap"}``). With ``deq.one_pass`` the block is its one-pass control: z = φ(0; p), no solve.
+    The forward is :func:`src.deq.core.equilibrium` of φ with p, from the warm start (:meth:`initial_state`,
+    :meth:`remember`). After each forward, ``last_info`` is its :class:`~src.deq.core.EquilibriumInfo` —
+    the public record of the last forward: its solve statistics, the adjoint solves run since (implicit mode), the
+    Jacobian penalty of a training forward (``deq.jacobian_penalty`` > 0, already × γ: :meth:`jacobian_penalty`
+    on ``deq.jacobian_penalty_rows`` samples) and the fixed-point correction states (``deq.correction_states``).
+    ``last_stats`` = ``last_info.stats()`` (``{"iterations", "residual" (max over samples, absolute
+    ‖f(z) − z‖), "converged", "hit_cap" (ran to ``deq.max_iter`` unconverged)}``) and ``last_backward_stats`` =
+    ``last_info.backward``. With ``deq.one_pass`` the block is its one-pass control: z = φ(0; p), no solve.
     """
 
     phi = None
@@ -89,11 +87,29 @@ class DEQBlock(nn.Module):
         super().__init__()
         self.config = config if config is not None else DEQConfig()
         self.name = name
-        self.last_stats: dict = {}
-        self.last_backward_stats: dict = {}
+        self.last_info: EquilibriumInfo | None = None
         self._warm: dict[tuple, torch.Tensor] = {}
-        self._nonconverged = 0
-        self._penalties: list[torch.Tensor] = []
+        self._warn = NonConvergenceWarning(name)
+
+    @property
+    def last_stats(self) -> dict:
+        """The last forward solve's statistics (``{}`` before the first forward)."""
+        return self.last_info.stats() if self.last_info is not None else {}
+
+    @property
+    def last_backward_stats(self) -> dict:
+        """The implicit backward's adjoint solves since the last forward (``{}``: none)."""
+        return self.last_info.backward if self.last_info is not None else {}
+
+    def record(self, info: EquilibriumInfo) -> None:
+        """Make ``info`` the block's ``last_info`` (a caller that solves the block's map itself: the DKEF jets)."""
+        self.last_info = info
+
+    @property
+    def warn(self) -> NonConvergenceWarning:
+        """The block's throttled non-convergence warning, passed to :func:`~src.deq.core.equilibrium`."""
+        self._warn.name = self.name  # the name may be set after construction
+        return self._warn
 
     # subclasses -------------------------------------------------------------------------------
     def map_params(self, x: torch.Tensor, *cond) -> tuple:
@@ -113,14 +129,17 @@ class DEQBlock(nn.Module):
     def load_warm_start_state(self, state: dict) -> None:
         self._warm = {tuple(int(s) for s in k.split("x")): v.detach() for k, v in state.items()}
 
-    def _initial(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    def initial_state(self, x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """z0 for input ``x``: the remembered fixed point of this state shape (``deq.warm_start``), else zeros;
+        device and dtype of ``like``."""
         shape = tuple(self.state_shape(x))
         z = self._warm.get(shape) if self.config.warm_start else None
         if z is not None:
             return z.to(device=like.device, dtype=like.dtype)
         return torch.zeros(shape, device=like.device, dtype=like.dtype)
 
-    def _remember(self, z_star: torch.Tensor) -> None:
+    def remember(self, z_star: torch.Tensor) -> None:
+        """Keep ``z_star`` (detached) as the next solve's start for its shape (``deq.warm_start``)."""
         if not self.config.warm_start:
             return
         key = tuple(z_star.shape)
@@ -130,14 +149,6 @@ class DEQBlock(nn.Module):
             self._warm.pop(next(iter(self._warm)))
 
     # solve ----------------------------------------------------------------------------------------
-    def _solver_kwargs(self, adjoint: bool = False) -> dict:
-        """The keyword arguments of :func:`solve`: the forward solve's, or (``adjoint``) the implicit backward's
-        adjoint solves' (``deq.backward_tol`` for the stop rule when set)."""
-        c = self.config
-        tol = c.backward_tol if adjoint and c.backward_tol is not None else c.tol
-        return {"method": c.solver, "tol": float(tol), "max_iter": int(c.max_iter), "stop_mode": c.stop_mode,
-                "anderson_m": int(c.anderson_m), "anderson_beta": float(c.anderson_beta)}
-
     def fixed_point_map(self, x: torch.Tensor, *cond):
         """z ↦ f(z; x) with the current weights, detached (for solver benchmarks and analysis)."""
         params = tuple(p.detach() for p in self.map_params(x, *cond))
@@ -157,40 +168,6 @@ class DEQBlock(nn.Module):
             z = self.phi(z, *params)
         return z
 
-    def _report(self, level: int, result: SolverResult) -> None:
-        """Statistics and (throttled) non-convergence warnings of every solve; level ≥ 1 = adjoint solves."""
-        stats = {"iterations": int(result.iterations),
-                 "residual": float(result.residual.max()) if result.residual.numel() else 0.0,
-                 "converged": bool(result.converged),
-                 # ran to deq.max_iter without meeting the stop rule (counted by the profiling callback)
-                 "hit_cap": bool(not result.converged and int(result.iterations) >= int(self.config.max_iter))}
-        if level == 0:
-            self.last_stats = stats
-            self.last_backward_stats = {}
-        else:
-            b = self.last_backward_stats
-            self.last_backward_stats = {
-                "solves": b.get("solves", 0) + 1,
-                "iterations": max(b.get("iterations", 0), stats["iterations"]),
-                "residual": max(b.get("residual", 0.0), stats["residual"]),
-                "converged": b.get("converged", True) and stats["converged"],
-                "hit_cap": b.get("hit_cap", False) or stats["hit_cap"],
-            }
-        if stats["converged"]:
-            return
-        self._nonconverged += 1
-        n = self._nonconverged
-        if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th, ... occurrence: informative, not a flood
-            what = "forward solve" if level == 0 else f"adjoint solve (backward, order {level})"
-            warnings.warn(
-                f"DEQ block '{self.name}': {what} did not converge: residual {stats['residual']:.3e} > "
-                f"tol {self.config.tol:g} ({self.config.stop_mode}) after {stats['iterations']} iterations "
-                f"(occurrence {n}). Raise deq.max_iter, raise deq.norm_lambda (a stronger contraction), or "
-                "change deq.solver (anderson helps when the contraction is slow).",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
     def forward(self, x: torch.Tensor, *cond) -> torch.Tensor:
         """z*(x), shaped ``state_shape(x)``; differentiable w.r.t. x (every order) and the parameters.
         ``cond``: conditioning inputs of a conditional block (passed to ``map_params``)."""
@@ -205,7 +182,8 @@ class DEQBlock(nn.Module):
         operator = the max over samples): the rate at which the learned map contracts (< 1 for a solve)."""
         phi = self.fixed_point_map(x, *cond)
         with torch.no_grad():
-            z = solve(phi, self._initial(x, self.map_params(x, *cond)[0].detach()), **self._solver_kwargs()).z
+            z = solve(phi, self.initial_state(x, self.map_params(x, *cond)[0].detach()),
+                      **self.config.solver_kwargs()).z
         gen = torch.Generator(device="cpu").manual_seed(0)
         v = torch.randn(z.shape, generator=gen, dtype=z.dtype).to(z.device)
         rate = 0.0
@@ -225,28 +203,13 @@ class DEQBlock(nn.Module):
 
     def _forward(self, x: torch.Tensor, *cond) -> torch.Tensor:
         params = self.map_params(x, *cond)
-        phi, cfg = self.phi, self.config
-        if cfg.one_pass:  # the one-pass control: φ(0; p), plain autograd, exactly an explicit network
-            z = phi(torch.zeros(self.state_shape(x), device=params[0].device, dtype=params[0].dtype), *params)
-            self.last_stats = {"iterations": 1, "residual": 0.0, "converged": True, "hit_cap": False}
-            self.last_backward_stats = {}
-            return z
-        z0 = self._initial(x, params[0])
-        if cfg.backward == "implicit":
-            z = z_star = fixed_point(phi, z0, params, self._solver_kwargs(), self._report, cfg.exact_orders,
-                                     cfg.phantom_steps, adjoint_solver=self._solver_kwargs(adjoint=True))
-        else:  # phantom gradient, Alg. 1
-            detached = tuple(p.detach() for p in params)
-            with record_function(PHASE_SOLVE):
-                result = solve(lambda u: phi(u, *detached), z0, **self._solver_kwargs())
-            self._report(0, result)
-            z = z_star = result.z.detach()
-            with record_function(PHASE_PHANTOM):
-                for _ in range(int(cfg.phantom_steps)):
-                    z = phi(z, *params)
-        if float(cfg.jacobian_penalty) > 0 and self.training and torch.is_grad_enabled():
-            self._penalties.append(self.jacobian_penalty(x, z_star, *cond))
-        self._remember(z)
+        z, info = equilibrium(self.phi, self.initial_state(x, params[0]), params, self.config,
+                              correction=self.training, warn=self.warn)
+        if float(self.config.jacobian_penalty) > 0 and self.training and torch.is_grad_enabled():
+            info.jacobian_penalty = float(self.config.jacobian_penalty) * self.jacobian_penalty(x, info.z_star, *cond)
+        self.last_info = info
+        if not self.config.one_pass:
+            self.remember(z)
         return z
 
     def jacobian_penalty(self, x: torch.Tensor, z_star: torch.Tensor, *cond,
@@ -256,24 +219,12 @@ class DEQBlock(nn.Module):
         on the first ``deq.jacobian_penalty_rows`` samples (0: all), differentiable w.r.t. the block's parameters
         (the map is evaluated again on those rows at the detached z*, with its parameters p recomputed from
         x and ``cond`` with autograd; z* itself is held fixed, as in the reference implementation). ``eps``: a
-        given probe (tests). Not scaled by ``deq.jacobian_penalty``: :meth:`pop_penalty` does."""
+        given probe (tests). Not scaled by ``deq.jacobian_penalty``: a training forward records γ × this in
+        ``last_info.jacobian_penalty`` (:func:`src.deq.core.jacobian_penalty` is the estimate)."""
         rows = int(self.config.jacobian_penalty_rows) or x.shape[0]
         rows = min(rows, x.shape[0])
         params = self.map_params(x[:rows], *(c[:rows] if torch.is_tensor(c) and c.dim() else c for c in cond))
-        with torch.enable_grad():
-            zs = z_star.detach()[:rows].requires_grad_(True)
-            fz = self.phi(zs, *params)
-            probe = torch.randn_like(fz) if eps is None else eps
-            (vjp,) = torch.autograd.grad(fz, zs, probe, create_graph=True)
-        return vjp.pow(2).sum() / probe.numel()
-
-    def pop_penalty(self) -> torch.Tensor | None:
-        """γ × the mean of the Jacobian penalties of the training forwards since the last call (None: none),
-        then forgets them; the LightningModule adds it to the training loss."""
-        if not self._penalties:
-            return None
-        terms, self._penalties = self._penalties, []
-        return float(self.config.jacobian_penalty) * torch.stack(terms).mean()
+        return _penalty_estimate(self.phi, z_star.detach()[:rows], params, eps=eps)
 
 
 # ------------------------------------------------------------------------------------------ blocks
@@ -300,24 +251,15 @@ class DenseDEQBlock(DEQBlock):
         self.biases = nn.ParameterList(nn.Parameter(torch.zeros(width)) for _ in range(self.n_layers - 1))
         self.activation = activation
         self.phi = dense_map if activation == "softplus" else DenseMap(activation)
-        if self.config.norm == "spectral":
-            for i, w in enumerate(self.weights):
-                u = torch.nn.functional.normalize(torch.randn(width), dim=0)
-                self.register_buffer(f"sn_u{i}", u)
-                spectral_normalize(w.detach(), u, self.config.norm_lambda, n_power_iterations=50)  # start u near the top singular vector
+        self.normalizer = make_norm(self.config.norm, "dense", self.config.norm_lambda)
+        for i, w in enumerate(self.weights):
+            self.normalizer.setup(self, f"sn_u{i}", w)  # buffer names of the checkpoints: sn_u0, sn_u1, …
 
     def state_shape(self, x):
         return (x.shape[0], self.width)
 
     def map_params(self, x):
-        lam = self.config.norm_lambda
-        if self.config.norm == "spectral":
-            ws = [spectral_normalize(w, getattr(self, f"sn_u{i}"), lam, update=self.training and torch.is_grad_enabled())
-                  for i, w in enumerate(self.weights)]
-        elif self.config.norm == "none":
-            ws = list(self.weights)
-        else:
-            ws = [frobenius_normalize(w, lam) for w in self.weights]
+        ws = [self.normalizer(self, f"sn_u{i}", w) for i, w in enumerate(self.weights)]
         rest = []
         for w, b in zip(ws[1:], self.biases):
             rest += [w, b]
@@ -330,50 +272,28 @@ def _odd(kernel_size: int) -> int:
     return int(kernel_size)
 
 
-CONV_NORMS = ("frobenius", "spectral")
-SPECTRAL_PROBE = 16  # P of the P×P probe grid of the conv spectral norm (see conv_spectral_normalize)
-
-
-def _conv_norm(config: DEQConfig) -> str:
-    if config.norm not in CONV_NORMS:
-        raise ValueError(f"deq.norm={config.norm!r} is not available for convolutional DEQ blocks; valid: "
-                         f"{', '.join(CONV_NORMS)} (none is for dense blocks only: nothing would bound the map)")
-    return config.norm
-
-
 class _ConvKernels:
-    """Mixin of the convolutional blocks: normalizes each named kernel by ``deq.norm`` — Frobenius (§3.2, with
-    the √(k·k) factor when ``lipschitz_safe``) or spectral (:func:`conv_spectral_normalize`, one power step per
-    training call on the persistent probe vector ``sn_u_<kernel>``)."""
+    """Mixin of the convolutional blocks: normalizes each named kernel by the ``deq.norm`` strategy
+    (:func:`src.deq.normalization.make_norm`, kind ``conv``) — Frobenius (§3.2, with the √(k·k) factor when
+    ``lipschitz_safe``) or spectral (one power step per training call on the persistent probe ``sn_u_<kernel>``)."""
 
     def _init_conv(self, in_channels: int, channels: int, kernel_size: int, injection: nn.Module | None,
                    lipschitz_safe: bool) -> int:
         """The settings both convolutional blocks share (``deq.norm`` checked, odd kernel size, the injection g,
         default ``nn.Conv2d(in_channels, channels, k)`` with same padding); returns k."""
-        _conv_norm(self.config)
+        self.normalizer = make_norm(self.config.norm, "conv", self.config.norm_lambda, lipschitz_safe=lipschitz_safe)
         k = _odd(kernel_size)
         self.channels, self.kernel_size, self.lipschitz_safe = int(channels), k, bool(lipschitz_safe)
         self.injection = injection if injection is not None else nn.Conv2d(in_channels, channels, k, padding=k // 2)
         return k
 
     def _init_spectral(self, *names: str) -> None:
-        if self.config.norm != "spectral":
-            return
+        """Set up the normalization's state of each named kernel (buffers ``sn_u_<kernel>`` when spectral)."""
         for name in names:
-            kernel = getattr(self, name)
-            u = torch.randn(1, kernel.shape[1], SPECTRAL_PROBE, SPECTRAL_PROBE)
-            u /= u.norm()
-            self.register_buffer(f"sn_u_{name}", u)
-            with torch.no_grad():  # start u near the top singular vector
-                conv_spectral_normalize(kernel.detach(), u, self.config.norm_lambda, n_power_iterations=30)
+            self.normalizer.setup(self, f"sn_u_{name}", getattr(self, name))
 
     def _normalized(self, name: str) -> torch.Tensor:
-        kernel, lam = getattr(self, name), self.config.norm_lambda
-        if self.config.norm == "spectral":
-            u = getattr(self, f"sn_u_{name}")
-            return conv_spectral_normalize(kernel, u, lam, update=self.training and torch.is_grad_enabled())
-        scale = conv_lipschitz_factor(kernel) if self.lipschitz_safe else 1.0
-        return frobenius_normalize(kernel, lam, scale=scale)
+        return self.normalizer(self, f"sn_u_{name}", getattr(self, name))
 
 
 class ConvDEQBlock(_ConvKernels, DEQBlock):

@@ -27,7 +27,6 @@ from typing import Any
 SOLVERS = ("picard", "anderson", "broyden")
 BACKWARDS = ("phantom", "implicit")
 STOP_MODES = ("abs", "rel")
-NORMS = ("frobenius", "spectral", "none")  # none: the weights as they are (hand-built maps)
 INJECTIONS = ("linear", "softplus")  # deq.injection; null: the model family's (DEPTH_RULES below)
 BLOCKS = (None, "normalized_residual")  # None: the family's block
 PAPER_NORM, PAPER_NORM_LAMBDA = "frobenius", 2.0  # §3.2: W / (λ‖W‖_F), λ = 2 — what an unset deq.norm means
@@ -51,6 +50,22 @@ class DEQConfig:
     # A solver key like anderson_m: the phantom backward solves no adjoint and does not read it.
     backward_tol: float | None = None
     max_iter: int = 128
+    # The rest of the adjoint solves' settings, symmetric to the forward's (torchdeq's b_solver, b_max_iter,
+    # b_stop_mode); None = the forward's (solver, max_iter, stop_mode). Read by the implicit backward only.
+    backward_solver: str | None = None
+    backward_max_iter: int | None = None
+    backward_stop_mode: str | None = None
+    # Anderson's Tikhonov regulariser, relative to the mean diagonal of the residuals' Gram matrix (an absolute
+    # 1e-4 stalls: docs/deq.md §3), and Broyden's memory (pairs kept: 2 x memory copies of the state).
+    anderson_lam: float = 1e-8
+    broyden_memory: int = 30
+    # Fixed-point correction (Bai et al. 2022, "Deep Equilibrium Optical Flow Estimation", §3.3; torchdeq's
+    # n_states): > 0 makes a training forward return this many differentiable states taken along the solve's
+    # trajectory at evaluations max_iter·i/n (i = 1..n; a solve that stops earlier gives its final iterate there),
+    # each the phantom steps (Alg. 1) applied from the detached iterate, the last one the block's output; the loss
+    # weights them by correction_gamma^(n − i) (src.deq.core.correction_weights). 0 = off.
+    correction_states: int = 0
+    correction_gamma: float = 0.8
     phantom_steps: int = 2
     warm_start: bool = True
     # Weight normalisation of the map (§3.2): None = the paper's, Frobenius with λ = 2, for the weight-normalised
@@ -92,6 +107,29 @@ class DEQConfig:
             raise ValueError(f"deq.backward={self.backward!r} is unknown; valid: {', '.join(BACKWARDS)}")
         if self.stop_mode not in STOP_MODES:
             raise ValueError(f"deq.stop_mode={self.stop_mode!r} is unknown; valid: {', '.join(STOP_MODES)}")
+        if self.backward_solver is not None and self.backward_solver not in SOLVERS:
+            raise ValueError(f"deq.backward_solver={self.backward_solver!r} is unknown; valid: {', '.join(SOLVERS)} "
+                             "(or null: deq.solver)")
+        if self.backward_stop_mode is not None and self.backward_stop_mode not in STOP_MODES:
+            raise ValueError(f"deq.backward_stop_mode={self.backward_stop_mode!r} is unknown; valid: "
+                             f"{', '.join(STOP_MODES)} (or null: deq.stop_mode)")
+        if self.backward_max_iter is not None and int(self.backward_max_iter) < 1:
+            raise ValueError(f"deq.backward_max_iter must be >= 1 (or null: deq.max_iter), got {self.backward_max_iter}")
+        if not 0 <= float(self.anderson_lam) < 1:
+            raise ValueError(f"deq.anderson_lam must be in [0, 1) (relative to the Gram matrix's mean diagonal), got "
+                             f"{self.anderson_lam}")
+        if int(self.broyden_memory) < 1:
+            raise ValueError(f"deq.broyden_memory must be >= 1 (pairs of the inverse-Jacobian update kept), got "
+                             f"{self.broyden_memory}")
+        if int(self.correction_states) < 0 or int(self.correction_states) > int(self.max_iter):
+            raise ValueError(f"deq.correction_states must be in [0, deq.max_iter={self.max_iter}] (0: off; states "
+                             f"are taken every max_iter/n evaluations), got {self.correction_states}")
+        if not 0 < float(self.correction_gamma) <= 1:
+            raise ValueError(f"deq.correction_gamma must be in (0, 1] (the loss weight gamma^(n - i) of state i), got "
+                             f"{self.correction_gamma}")
+        if int(self.correction_states) > 0 and self.one_pass:
+            raise ValueError("deq.correction_states does not apply with deq.one_pass=true (no solve, no trajectory): "
+                             "drop one of them")
         if self.block == "normalized_residual":
             given = [f"deq.{k}={getattr(self, k)}" for k in ("norm", "norm_lambda") if getattr(self, k) is not None]
             if given:
@@ -101,8 +139,11 @@ class DEQConfig:
         else:
             self.norm = PAPER_NORM if self.norm is None else self.norm
             self.norm_lambda = PAPER_NORM_LAMBDA if self.norm_lambda is None else self.norm_lambda
-        if self.norm is not None and self.norm not in NORMS:
-            raise ValueError(f"deq.norm={self.norm!r} is unknown; valid: {', '.join(NORMS)}")
+        if self.norm is not None:
+            from src.deq.normalization import norm_names  # the registry of normalisations (pluggable)
+
+            if self.norm not in norm_names():
+                raise ValueError(f"deq.norm={self.norm!r} is unknown; valid: {', '.join(norm_names())}")
         if self.injection is not None and self.injection not in INJECTIONS:
             raise ValueError(f"deq.injection={self.injection!r} is unknown; valid: linear, softplus "
                              "(or null for the model family's default)")
@@ -141,6 +182,16 @@ class DEQConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def solver_kwargs(self, adjoint: bool = False) -> dict:
+        """The keyword arguments of :func:`src.deq.solvers.solve`: the forward solve's, or (``adjoint``) the implicit
+        backward's adjoint solves' (each ``backward_*`` key that is set replaces its forward key)."""
+        pick = (lambda b, f: f if not adjoint or b is None else b)
+        return {"method": pick(self.backward_solver, self.solver), "tol": float(pick(self.backward_tol, self.tol)),
+                "max_iter": int(pick(self.backward_max_iter, self.max_iter)),
+                "stop_mode": pick(self.backward_stop_mode, self.stop_mode), "anderson_m": int(self.anderson_m),
+                "anderson_beta": float(self.anderson_beta), "anderson_lam": float(self.anderson_lam),
+                "broyden_memory": int(self.broyden_memory)}
 
 
 # ------------------------------------------------------------------------------------------ the one parse

@@ -52,7 +52,7 @@ def recurrence_share(block, x: torch.Tensor, *cond, rate: bool = True) -> dict[s
                "one_pass": 1.0}
         z_star = one_pass
     else:
-        result = solve(lambda u: phi(u, *params), zero, **block._solver_kwargs())
+        result = solve(lambda u: phi(u, *params), zero, **block.config.solver_kwargs())
         z_star = result.z
         tiny = torch.finfo(z_star.dtype).tiny
         share = _per_sample_norm(z_star - one_pass) / _per_sample_norm(z_star).clamp_min(tiny)

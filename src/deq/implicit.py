@@ -41,6 +41,10 @@ from src.deq.solvers import SolverResult, solve
 # Profiler labels (benchmarks/tools/profile_step.py groups a step's time by them; a no-op unless a profiler runs)
 PHASE_SOLVE = "deq.solve"  # forward fixed-point solve (no autograd)
 PHASE_IMPLICIT_BACKWARD = "deq.implicit_backward"  # the implicit Function's backward: adjoint solve + VJP in p
+# ... with its nesting level in the label (a prefix match groups them all): the backward of level k is
+# "deq.implicit_backward.level<k>" (its VJP in p and the nested solve), the adjoint solve of level k ≥ 1 inside it
+# "deq.implicit_backward.solve.level<k>" — so a profiler trace tells the levels apart (benchmarks/studies/
+# ncsn_deq_cost.py reads them).
 
 Report = Callable[[int, SolverResult], None]  # (level, result): level 0 = forward solve, k ≥ 1 = k-th adjoint
 
@@ -154,7 +158,8 @@ class _FixedPoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi, solvers, report, level, truncation, z0, *params):
-        with torch.no_grad(), record_function(PHASE_SOLVE if level == 0 else PHASE_IMPLICIT_BACKWARD):
+        label = PHASE_SOLVE if level == 0 else f"{PHASE_IMPLICIT_BACKWARD}.solve.level{level}"
+        with torch.no_grad(), record_function(label):
             result = solve(_prepared(phi, params), z0, **solvers[min(level, 1)])
         if report is not None:
             report(level, result)
@@ -169,7 +174,7 @@ class _FixedPoint(torch.autograd.Function):
         create_graph = torch.is_grad_enabled()  # True iff the caller asked for create_graph
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[6:]) if need]
         exact_orders, terms = ctx.truncation
-        with torch.enable_grad(), record_function(PHASE_IMPLICIT_BACKWARD):
+        with torch.enable_grad(), record_function(f"{PHASE_IMPLICIT_BACKWARD}.level{ctx.level}"):
             aliases = [p.view_as(p) for p in params]
             if exact_orders is not None and ctx.level + 1 > int(exact_orders):  # truncated: Neumann series
                 psi = _Adjoint(ctx.phi)

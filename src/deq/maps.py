@@ -115,8 +115,12 @@ class NormalizedResidualMap:
 
     additive_injection = True  # φ(z) = h(z) + x: src.deq.diagnostics reports ‖h(z*)‖ / ‖x‖
 
-    def __init__(self, padding: int, recompute: bool = True):
+    def __init__(self, padding: int, recompute: bool = True, hand_products: bool = True):
         self.padding = padding
+        # hand_products=False: the implicit backward's adjoint solves take autograd's generic Jacobian products
+        # instead of :meth:`linearize`'s (a benchmark arm: benchmarks/studies/ncsn_deq_cost.py)
+        if not hand_products:
+            self.linearize = None
         # ELU(IN(·)) by the recomputing norm (src.layers.instance_norm.norm_act with α = 0: instance norm++ without
         # its channel-means term is the instance norm): it saves only its input for backward and recomputes the
         # rest, at every derivative order. The exact second-order path of SSM-VR builds φ's graph and its

@@ -1,8 +1,20 @@
-"""Weight normalization that makes the DEQ map a contraction (paper §3.2)."""
+"""Weight normalization that makes the DEQ map a contraction (paper §3.2), and the registry ``deq.norm`` picks from.
+
+The blocks do not build a normalization in: each asks :func:`make_norm` for the strategy ``deq.norm`` names, for
+its kind of weight (``dense`` matrices or ``conv`` kernels), and calls it per weight. A strategy is a plain object
+(no parameters, no state_dict entries of its own) with
+
+- ``setup(module, buffer, weight)``: register what it keeps between calls on the block (the spectral norms' power
+  vector, under the buffer name the block gives, so checkpoints keep their keys ``sn_u0``, ``sn_u_kernel1``, …);
+- ``__call__(module, buffer, weight)``: the normalized weight, plain autograd in ``weight``.
+
+:func:`register_norm` adds one (``deq.norm=<name>`` then validates and builds it).
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -91,3 +103,102 @@ def conv_lipschitz_factor(weight: torch.Tensor) -> float:
     paper's plain Frobenius normalization guarantees only ‖conv‖ < sqrt(kh·kw)/λ (3/λ for 3×3).
     """
     return math.sqrt(math.prod(weight.shape[2:]))
+
+
+# ------------------------------------------------------------------------------------------ the deq.norm registry
+SPECTRAL_PROBE = 16  # P of the P×P probe grid of the conv spectral norm (see conv_spectral_normalize)
+
+
+class Norm:
+    """The strategy interface (see the module docstring); ``norm_lambda`` is λ of §3.2."""
+
+    def __init__(self, norm_lambda: float | None = None, **_):
+        self.norm_lambda = norm_lambda
+
+    def setup(self, module: torch.nn.Module, buffer: str, weight: torch.Tensor) -> None:
+        """Register the state kept between calls (default: none)."""
+
+    def __call__(self, module: torch.nn.Module, buffer: str, weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Identity(Norm):
+    """``deq.norm=none``: the weights as they are (hand-built maps whose structure guarantees convergence)."""
+
+    def __call__(self, module, buffer, weight):
+        return weight
+
+
+class Frobenius(Norm):
+    """§3.2: W / (λ‖W‖_F); a conv kernel also by √(k·k) when ``lipschitz_safe`` (:func:`conv_lipschitz_factor`)."""
+
+    def __init__(self, norm_lambda=None, lipschitz_safe: bool = False, **_):
+        super().__init__(norm_lambda)
+        self.lipschitz_safe = bool(lipschitz_safe)
+
+    def __call__(self, module, buffer, weight):
+        scale = conv_lipschitz_factor(weight) if self.lipschitz_safe and weight.dim() > 2 else 1.0
+        return frobenius_normalize(weight, self.norm_lambda, scale=scale)
+
+
+class DenseSpectral(Norm):
+    """W / (λ σ̂(W)) (:func:`spectral_normalize`), one power step per training call on the buffer ``buffer``."""
+
+    def setup(self, module, buffer, weight):
+        u = torch.nn.functional.normalize(torch.randn(weight.shape[0]), dim=0)
+        module.register_buffer(buffer, u)
+        spectral_normalize(weight.detach(), u, self.norm_lambda, n_power_iterations=50)  # u near the top vector
+
+    def __call__(self, module, buffer, weight):
+        return spectral_normalize(weight, getattr(module, buffer), self.norm_lambda,
+                                  update=module.training and torch.is_grad_enabled())
+
+
+class ConvSpectral(Norm):
+    """K / (λ σ̂(K)) (:func:`conv_spectral_normalize`), one power step per training call on the buffer ``buffer``
+    (a ``[1, C_in, P, P]`` probe, P = :data:`SPECTRAL_PROBE`)."""
+
+    def setup(self, module, buffer, weight):
+        u = torch.randn(1, weight.shape[1], SPECTRAL_PROBE, SPECTRAL_PROBE)
+        u /= u.norm()
+        module.register_buffer(buffer, u)
+        with torch.no_grad():  # start u near the top singular vector
+            conv_spectral_normalize(weight.detach(), u, self.norm_lambda, n_power_iterations=30)
+
+    def __call__(self, module, buffer, weight):
+        return conv_spectral_normalize(weight, getattr(module, buffer), self.norm_lambda,
+                                       update=module.training and torch.is_grad_enabled())
+
+
+# name -> {kind -> strategy class}; kinds: "dense" (matrices), "conv" (convolution kernels)
+_NORMS: dict[str, dict[str, Callable[..., Norm]]] = {
+    "frobenius": {"dense": Frobenius, "conv": Frobenius},
+    "spectral": {"dense": DenseSpectral, "conv": ConvSpectral},
+    "none": {"dense": Identity},  # a convolutional block with nothing bounding its map is refused
+}
+
+
+def register_norm(name: str, **kinds: Callable[..., Norm]) -> None:
+    """Add (or replace) the normalization ``deq.norm=name``: ``dense=`` and/or ``conv=`` strategy factories, each
+    called as ``factory(norm_lambda=λ, lipschitz_safe=…)``."""
+    unknown = set(kinds) - {"dense", "conv"}
+    if unknown or not kinds:
+        raise ValueError(f"register_norm({name!r}): give dense= and/or conv= strategies, got {sorted(kinds)}")
+    _NORMS[str(name)] = dict(kinds)
+
+
+def norm_names() -> tuple[str, ...]:
+    """The valid values of ``deq.norm``."""
+    return tuple(_NORMS)
+
+
+def make_norm(name: str, kind: str, norm_lambda: float | None, **options) -> Norm:
+    """The strategy ``deq.norm=name`` for weights of ``kind`` (one-line refusal when the name has none for it)."""
+    if name not in _NORMS:
+        raise ValueError(f"deq.norm={name!r} is unknown; valid: {', '.join(_NORMS)}")
+    if kind not in _NORMS[name]:
+        valid = [n for n, kinds in _NORMS.items() if kind in kinds]
+        raise ValueError(f"deq.norm={name!r} is not available for {'convolutional' if kind == 'conv' else kind} DEQ "
+                         f"blocks; valid: {', '.join(valid)}"
+                         + (" (none is for dense blocks only: nothing would bound the map)" if name == "none" else ""))
+    return _NORMS[name][kind](norm_lambda=norm_lambda, **options)

@@ -230,9 +230,10 @@ class ScoreMatchingModule(DeqsmModule):
 
     def training_step(self, batch, batch_idx):
         x = batch_tensor(batch)
-        out = self.training_objective(x)
+        with self.deq_forwards() as infos:
+            out = self.training_objective(x)
         self.check_finite(out.loss, f"training (loss={self.loss_name})")
         self.log("train/loss", out.loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
         for name, value in out.parts.items():
             self.log(f"train/{name}", value, on_step=False, on_epoch=True, batch_size=x.shape[0])
-        return self.with_deq_penalty(out.loss, x.shape[0])
+        return self.with_deq_penalty(out.loss, x.shape[0], infos)

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from src.deq.block import PHANTOM_TRUNCATION_WARN, phantom_truncation
-from src.deq.lookup import blocks_of
+from src.deq.lookup import blocks_of, forward_infos
 
 
 class DEQMonitorMixin:
@@ -37,14 +37,24 @@ class DEQMonitorMixin:
         name = self.loss_name
         return not (name == "mle" or (self.outputs_score and name == "dsm"))
 
-    def with_deq_penalty(self, loss: torch.Tensor, batch_size: int) -> torch.Tensor:
-        """``loss`` plus the Jacobian regularisers of the module's DEQ blocks since the last call (``deq.
-        jacobian_penalty`` > 0: :meth:`src.deq.block.DEQBlock.jacobian_penalty`), logged as
-        ``train/deq_jacobian_penalty``; ``loss`` itself when no block has one."""
-        terms = [t for _, block in blocks_of(self) if (t := block.pop_penalty()) is not None]
-        if not terms:
+    def deq_forwards(self):
+        """Context manager yielding ``[(block name, info)]`` of the DEQ block forwards run inside it
+        (:func:`src.deq.lookup.forward_infos`): a training step wraps its objective in it and passes the list to
+        :meth:`with_deq_penalty`."""
+        return forward_infos(self)
+
+    def with_deq_penalty(self, loss: torch.Tensor, batch_size: int, infos: list = ()) -> torch.Tensor:
+        """``loss`` plus the Jacobian regularisers recorded in ``infos`` (:meth:`deq_forwards`; ``deq.
+        jacobian_penalty`` > 0: γ × :meth:`src.deq.block.DEQBlock.jacobian_penalty` of each training forward,
+        averaged over a block's forwards, summed over blocks), logged as ``train/deq_jacobian_penalty``; ``loss``
+        itself when none has one."""
+        per_block: dict[str, list] = {}
+        for name, info in infos:
+            if info is not None and info.jacobian_penalty is not None:
+                per_block.setdefault(name, []).append(info.jacobian_penalty)
+        if not per_block:
             return loss
-        penalty = torch.stack(terms).sum()
+        penalty = torch.stack([torch.stack(terms).mean() for terms in per_block.values()]).sum()
         self.log("train/deq_jacobian_penalty", penalty.detach(), on_step=True, on_epoch=True, batch_size=batch_size)
         return loss + penalty
 

@@ -75,14 +75,15 @@ class SupervisedLitModule(DeqsmModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        pred = self.net(x)
+        with self.deq_forwards() as infos:
+            pred = self.net(x)
         loss = self._loss(pred, y)
         world = self._world_size()
         if self.loss_name == "half_sse" and world > 1:
             # a sum over the batch, and DDP averages the ranks' gradients: scaled by the world size, each step is
             # one process's step on the global batch (mse, a mean over equal shards, needs nothing)
             loss = loss * world
-        loss = self.with_deq_penalty(loss, x.shape[0])
+        loss = self.with_deq_penalty(loss, x.shape[0], infos)
         if not any(p.requires_grad for p in self.parameters()):  # a frozen construction: evaluate only
             self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=x.shape[0])
             return None

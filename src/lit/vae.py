@@ -117,8 +117,9 @@ class VAELitModule(DeqsmModule):
         for _ in range(self.score_steps):
             with torch.no_grad():
                 z = self.encoder(x)
-            out = self.objective(ConditionalScore(self.score_net, x), z)
-            self.manual_update("score", self.with_deq_penalty(out.loss, x.shape[0]))
+            with self.deq_forwards() as infos:
+                out = self.objective(ConditionalScore(self.score_net, x), z)
+            self.manual_update("score", self.with_deq_penalty(out.loss, x.shape[0], infos))
         z = self.encoder(x)
         with torch.no_grad():
             s = self.score_net(z.detach(), x)

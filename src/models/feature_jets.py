@@ -15,8 +15,11 @@ DEQ features (paper eq. 5, z* = σ(W z* + g(x))) follow the block's backward mod
 
 * ``phantom`` (Alg. 1): the solve under ``no_grad``, then the K phantom steps carry the jet from (z*, 0, 0): the
   same K-term Neumann series of the derivatives that autograd through the K steps gives (Prop. 2).
-* ``implicit`` (Prop. 1): the jet (z, J, L) is itself the fixed point of the jet map; it is solved by
-  :func:`src.deq.implicit.fixed_point`, whose exact implicit backward gives the parameter gradients.
+* ``implicit`` (Prop. 1): the jet (z, J, L) is itself the fixed point of the jet map; it is
+  :func:`src.deq.core.equilibrium` of that map, whose exact implicit backward gives the parameter gradients.
+
+Both go through the public DEQ core only: the block's warm start (``initial_state`` / ``remember``), its settings
+(``block.config``), its non-convergence warning (``block.warn``) and ``block.record(info)`` for its statistics.
 
 Supported: :class:`src.models.features.MLPFeatures` and dense Softplus :class:`src.models.deq_net.DEQNet`
 (``supports_jet`` says which networks; others take the autograd route). A Softplus input of more than 20 is
@@ -31,9 +34,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from src.deq.implicit import PHASE_SOLVE, fixed_point
+from src.deq.core import equilibrium, solve_only
 from src.deq.maps import dense_map
-from src.deq.solvers import solve
 from src.models.deq_net import DEQNet
 from src.models.features import MLPFeatures
 
@@ -97,7 +99,8 @@ def supports_jet(net: nn.Module) -> bool:
         block = net.block
         return (net.kind == "dense" and getattr(block, "phi", None) is dense_map
                 and _supported_module(block.injection) and block.config.backward in ("phantom", "implicit")
-                and not float(block.config.jacobian_penalty) > 0)  # the regulariser lives in the block's forward
+                and not float(block.config.jacobian_penalty) > 0  # the regulariser lives in the block's forward
+                and not int(block.config.correction_states))  # so do the fixed-point correction states
     return False
 
 
@@ -134,27 +137,21 @@ def _deq_jet(net: DEQNet, x: torch.Tensor) -> Jet:
     inj_value, w1, rest = params[0], params[1], params[2:]
     inj = _module_jet(block.injection, (x, None, None))
     inj = (inj_value, inj[1], inj[2])
-    z0 = block._initial(x, inj_value)
+    z0 = block.initial_state(x, inj_value)
     cfg = block.config
-    if cfg.backward == "implicit":
-        with record_function(PHASE_SOLVE):  # z* alone first (cheap), then the jet's fixed point from (z*, 0, 0)
-            detached = tuple(p.detach() for p in params)
-            z_star = solve(lambda u: dense_map(u, *detached), z0, **block._solver_kwargs()).z
+    # z* alone first (cheap: the deq.solve span), then the jet's steps or fixed point from it
+    z_star, info = solve_only(dense_map, z0, params, cfg, warn=block.warn)
+    if cfg.backward == "implicit":  # the jet's fixed point from (z*, 0, 0)
         n, d, w = x.shape[0], x.shape[1], z_star.shape[1]
         state0 = torch.zeros(n, d + 2, w, dtype=z_star.dtype, device=z_star.device)
         state0[:, 0] = z_star
         l_inj = _zeros_like_laplacian(inj)
         with record_function(PHASE_JET_STEPS):
-            state = fixed_point(JetMap(), state0, (inj[0], inj[1], l_inj, w1, *rest), block._solver_kwargs(),
-                                block._report, block.config.exact_orders, block.config.phantom_steps,
-                                adjoint_solver=block._solver_kwargs(adjoint=True))
+            state, info = equilibrium(JetMap(), state0, (inj[0], inj[1], l_inj, w1, *rest), cfg, correction=False,
+                                      warn=block.warn)
         z, jz, lz = state[:, 0], state[:, 1:-1], state[:, -1]
     else:
-        detached = tuple(p.detach() for p in params)
-        with record_function(PHASE_SOLVE):
-            result = solve(lambda u: dense_map(u, *detached), z0, **block._solver_kwargs())
-        block._report(0, result)
-        z, jz, lz = result.z.detach(), None, None
+        z, jz, lz = z_star, None, None
         with record_function(PHASE_JET_STEPS):
             for k in range(int(cfg.phantom_steps)):
                 if k == 0:  # z_0 = z* is a constant: the first step's jet needs no product with J_z
@@ -172,7 +169,8 @@ def _deq_jet(net: DEQNet, x: torch.Tensor) -> Jet:
         jz = jz.unsqueeze(0).expand(x.shape[0], *jz.shape)
     if lz is None:
         lz = torch.zeros_like(z)
-    block._remember(z)
+    block.record(info)
+    block.remember(z)
     out = _linear((z, jz, lz), net.readout.weight, net.readout.bias)
     if net.skip is not None:
         out = _add(out, _linear((x, None, None), net.skip.weight, None))
