@@ -27,6 +27,8 @@ from src.callbacks.profiling import ProfilingCallback
 from src.config.family_data import check_family_data
 from src.metrics.presets import apply_eval_preset
 from src.runs.build import build
+from src.runs.identity import ALLOW_KEY, check_same_run, run_identity
+from src.runs.identity import CHECKPOINT_KEY as IDENTITY_KEY
 from src.runtime.atomic import write_json_atomic
 from src.runtime.checkpoints import (
     AtomicCheckpointIO,
@@ -140,11 +142,16 @@ def train(cfg: DictConfig) -> dict[str, Any]:
             trainer_cfg.num_sanity_val_steps = 0
     one_last_checkpoint(callbacks)
     # checked as it is loaded (the one load of the file): weights-only unless trust_checkpoint=true, of this
-    # model's family and shapes, and an EMA checkpoint is refused without ema=true
+    # model's family and shapes (no override can allow another), of this run's objective, sizes, DEQ settings and
+    # data unless resume_allow names the key (src.runs.identity), and an EMA checkpoint is refused without ema=true.
+    # Every checkpoint written holds this run's identity for that check.
     trust = bool(cfg.get("trust_checkpoint", False))
+    identity = run_identity(cfg)
     checkpoint_io = AtomicCheckpointIO(validators=[functools.partial(check_matches_model, model=model),
+                                                   functools.partial(check_same_run, identity=identity,
+                                                                     allow=cfg.get(ALLOW_KEY) or ()),
                                                    functools.partial(check_resume, callbacks=callbacks)],
-                                       trust=trust)
+                                       trust=trust, stamp={IDENTITY_KEY: identity})
     trainer: L.Trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False,
                                      plugins=[checkpoint_io])
     for lg in loggers:

@@ -242,12 +242,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     ``validators``: callables ``(checkpoint dict, path=…) -> None`` that raise on a bad resume. ``trust``: unpickle
     without the weights-only restriction (a trusted old checkpoint). ``last_path``: the run's ``last.ckpt``;
-    every other checkpoint is written as it first (module docstring).
+    every other checkpoint is written as it first (module docstring). ``stamp``: entries added to every checkpoint
+    written (``src.train``: the run's identity, :mod:`src.runs.identity`, which a resume checks).
     """
 
-    def __init__(self, validators=(), trust: bool = False, last_path: str | Path | None = None):
+    def __init__(self, validators=(), trust: bool = False, last_path: str | Path | None = None,
+                 stamp: Mapping[str, Any] | None = None):
         super().__init__()
         self.validators = list(validators)
+        self.stamp = dict(stamp or {})
         self.trust = bool(trust)
         self.last_path = None if last_path is None else Path(last_path)
 
@@ -261,7 +264,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint = safe_contents(checkpoint)
+        checkpoint = safe_contents({**checkpoint, **self.stamp})
         last = self.last_path
         if last is None or path.resolve() == last.resolve():
             _write_atomic(checkpoint, path)
