@@ -18,7 +18,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 # last.ckpt only (no best checkpoint, no profiling, no progress bar): the state a resume reads
 CKPT = ["logger=none", "callbacks=none", "+callbacks.last_checkpoint._target_=src.callbacks.checkpoint.LastCheckpoint",
         "+callbacks.last_checkpoint.dirpath=${paths.output_dir}/checkpoints", "trainer.enable_progress_bar=false",
-        "trainer.max_steps=2", "trainer.max_epochs=-1", "test=false", "memory_estimate=false"]
+        "trainer.max_steps=2", "trainer.max_epochs=-1", "test=false"]
 
 FAMILIES = {
     "dkef": [*FAST, "model=dkef", "loss=sm", "deq=true"],
