@@ -31,8 +31,8 @@ from src.runs.identity import CHECKPOINT_KEY as IDENTITY_KEY
 from src.runtime.atomic import atomic_file, write_json_atomic
 from src.runtime.checkpoints import (
     AtomicCheckpointIO,
-    check_checkpoint_file,
     check_matches_model,
+    load_checked,
     remove_stale_temporaries,
 )
 from src.runtime.environment import print_metrics, set_float_environment
@@ -148,6 +148,22 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     callbacks = _instantiate_group(cfg.get("callbacks"))  # every callback from the callbacks group
     if not cfg.trainer.get("enable_progress_bar", True):  # a progress-bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    # A resume's checkpoint is checked before anything starts (loggers, W&B, the trainer): weights-only unless
+    # trust_checkpoint=true, of this model's family and shapes (no override can allow another), of this run's
+    # objective, sizes, DEQ settings and data unless resume_allow names the key (src.runs.identity), and an EMA
+    # checkpoint is refused without ema=true; read memory-mapped here, and checked again as Lightning loads it.
+    # Every checkpoint written holds this run's identity for that check.
+    trust = bool(cfg.get("trust_checkpoint", False))
+    identity = run_identity(cfg)
+    validators = [functools.partial(check_matches_model, model=model),
+                  functools.partial(check_same_run, identity=identity, allow=cfg.get(ALLOW_KEY) or ()),
+                  functools.partial(check_resume, callbacks=callbacks)]
+    if cfg.get("ckpt_path"):
+        saved = load_checked(cfg.ckpt_path, trust=trust, mmap=True)
+        for check in validators:
+            check(saved, path=cfg.ckpt_path)
+        del saved
+        remove_stale_temporaries(Path(cfg.ckpt_path).parent)  # a killed save's leftovers
     loggers = _instantiate_group(cfg.get("logger"))
     trainer_cfg = follow_optimization_mode(cfg.trainer, model)
     trainer_cfg = follow_ddp_needs(trainer_cfg, model)
@@ -159,17 +175,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         with open_dict(trainer_cfg):
             trainer_cfg.num_sanity_val_steps = 0
     one_last_checkpoint(callbacks)
-    # checked as it is loaded (the one load of the file): weights-only unless trust_checkpoint=true, of this
-    # model's family and shapes (no override can allow another), of this run's objective, sizes, DEQ settings and
-    # data unless resume_allow names the key (src.runs.identity), and an EMA checkpoint is refused without ema=true.
-    # Every checkpoint written holds this run's identity for that check.
-    trust = bool(cfg.get("trust_checkpoint", False))
-    identity = run_identity(cfg)
-    checkpoint_io = AtomicCheckpointIO(validators=[functools.partial(check_matches_model, model=model),
-                                                   functools.partial(check_same_run, identity=identity,
-                                                                     allow=cfg.get(ALLOW_KEY) or ()),
-                                                   functools.partial(check_resume, callbacks=callbacks)],
-                                       trust=trust, stamp={IDENTITY_KEY: identity})
+    checkpoint_io = AtomicCheckpointIO(validators=validators, trust=trust, stamp={IDENTITY_KEY: identity})
     trainer: L.Trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False,
                                      plugins=[checkpoint_io])
     for lg in loggers:
@@ -177,11 +183,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %s, %d parameters; output dir: %s", type(model).__name__, n_params, out_dir)
-    if cfg.get("ckpt_path"):
-        # cheap checks now (a clear error before any training set-up); the checkpoint's content is checked
-        # once, as Lightning loads it through AtomicCheckpointIO
-        check_checkpoint_file(cfg.ckpt_path)
-        remove_stale_temporaries(Path(cfg.ckpt_path).parent)  # a killed save's leftovers
     t_fit, c_fit = time.perf_counter(), time.process_time()
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=not trust)
 

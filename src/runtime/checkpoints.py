@@ -77,12 +77,14 @@ def _offending_object(exc: BaseException) -> str:
     return match.group(1) if match else str(exc).splitlines()[0][:200]
 
 
-def load_checked(path: str | Path, map_location="cpu", trust: bool = False) -> dict:
+def load_checked(path: str | Path, map_location="cpu", trust: bool = False, mmap: bool = False) -> dict:
     """Load a Lightning checkpoint once, checking it on the way: weights-only unpickling unless ``trust``
-    (module docstring). Raises UnsafeCheckpointError / CheckpointError naming the file."""
+    (module docstring). ``mmap``: map the tensors' storage instead of reading it (a cheap look at a checkpoint's
+    metadata, e.g. a resume's checks before the run starts). Raises UnsafeCheckpointError / CheckpointError naming
+    the file."""
     path = check_checkpoint_file(path)
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=not trust)
+        ckpt = torch.load(path, map_location=map_location, weights_only=not trust, mmap=mmap)
     except pickle.UnpicklingError as exc:
         if trust:
             raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc})") from exc
