@@ -65,10 +65,11 @@ def run_identity(cfg: DictConfig) -> dict[str, Any]:
             out[group] = node
             continue
         skip = MODEL_MAY_CHANGE if group == "model" else DATA_MAY_CHANGE if group == "data" else ()
+        resolved = OmegaConf.to_container(node, resolve=True)
         for key in node:
             if key in skip or (group == "model" and OmegaConf.is_interpolation(node, key)):
                 continue  # an evaluation setting, or a repeat of another group (compared there)
-            _flatten(OmegaConf.to_container(node, resolve=True)[key], f"{group}.{key}", out)
+            _flatten(resolved[key], f"{group}.{key}", out)
     return out
 
 
@@ -87,11 +88,11 @@ def _allowed(key: str, allow: Iterable[str]) -> bool:
     return any(key == a or key.startswith(f"{a}.") for a in allow)
 
 
+_ABSENT = object()  # a key one side does not have
+
+
 def _show(value: Any) -> str:
     return "(absent)" if value is _ABSENT else "null" if value is None else str(value)
-
-
-_ABSENT = object()
 
 
 def differences(saved: Mapping[str, Any], here: Mapping[str, Any], allow: Iterable[str] = (),
@@ -123,7 +124,8 @@ def _allow_list(keys: list[str]) -> list[str]:
 def check_same_run(checkpoint: Mapping, path: Any = "the checkpoint", *, identity: Mapping[str, Any],
                    allow: Iterable[str] = ()) -> None:
     """Refuse, in one line, a checkpoint whose run differs from ``identity`` (this run's :func:`run_identity`) in a
-    key not in ``allow`` (``resume_allow``); an AtomicCheckpointIO validator, run as the checkpoint loads."""
+    key not in ``allow`` (``resume_allow``); a validator of the checkpoint src.train resumes from (before the run starts,
+    and in AtomicCheckpointIO as Lightning loads it)."""
     allow = [str(a) for a in (allow or ())]
     saved = checkpoint.get(CHECKPOINT_KEY)
     if saved is not None:
