@@ -15,6 +15,7 @@ import sys
 
 from src.runs.evaluation import evaluate
 from src.runs.load import parse_trust, split_arguments
+from src.runtime.errors import report_errors
 
 _OWN_KEYS = ("ckpt_path", "trust_checkpoint")
 
@@ -28,4 +29,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    report_errors(main)  # the project's own errors as one line (HYDRA_FULL_ERROR=1: the traceback)

@@ -19,6 +19,7 @@ import sys
 
 from src.runs.load import parse_trust, split_arguments
 from src.runs.sampling import sample_from_checkpoint
+from src.runtime.errors import report_errors
 
 _OWN_KEYS = ("ckpt_path", "n", "seed", "out", "trust_checkpoint")
 
@@ -34,4 +35,4 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    report_errors(main)  # the project's own errors as one line (HYDRA_FULL_ERROR=1: the traceback)

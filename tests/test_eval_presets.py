@@ -132,6 +132,10 @@ def test_command_line_run_states_its_preset(tmp_path):
     saved = json.loads((tmp_path / "metrics.json").read_text())
     assert saved["eval/model.metrics.log_likelihood.samples"] == 200000  # on the command line: above quick's cap
     assert saved["eval/model.metrics.exact_sm.test_points"] == 256
+    # the run's saved config is the one that ran: the preset resolved into it before the run started
+    ran = OmegaConf.load(tmp_path / ".hydra" / "config.yaml")
+    assert ran.eval.preset == "quick" and ran.model.metrics.exact_sm.test_points == 256
+    assert ran.model.metrics.exact_sm.backward_budget == 4096 and ran.model.metrics.log_likelihood.samples == 200000
 
 
 def test_auto_composes_the_presets_it_may_choose(monkeypatch):

@@ -185,7 +185,7 @@ def test_full_disk_during_a_checkpoint_write(tmp_path, monkeypatch):
             return real_save(obj, fh, *args, **kwargs)
 
         monkeypatch.setattr(checkpoints.torch, "save", save_until_full)
-        cfg = compose_train([*FAST, "callbacks=default", "callbacks.progress_bar=null", "memory_estimate=false",
+        cfg = compose_train([*FAST, "callbacks=default", "callbacks.progress_bar=null", "callbacks.memory_estimate=null",
                              "trainer.enable_progress_bar=false", "trainer.max_steps=5", "test=false",
                              "callbacks.last_checkpoint.every_n_train_steps=1"], tmp_path)
         with pytest.raises(OSError) as info:

@@ -94,7 +94,7 @@ def test_a_run_logged_to_a_file_shows_its_progress(tmp_path):
     """The user's view: ``python -m src.train ... > run.log 2>&1`` holds the training and test-phase lines."""
     log_file = tmp_path / "run.log"
     cmd = [sys.executable, "-m", "src.train", *FAST, "trainer.max_steps=6", "trainer.val_check_interval=3",
-           "callbacks.log_progress.every_n_steps=2", "memory_estimate=false",
+           "callbacks.log_progress.every_n_steps=2", "callbacks.memory_estimate=null",
            "model.metrics.log_likelihood.samples=200", f"hydra.run.dir={tmp_path / 'run'}"]
     with open(log_file, "w") as fh:
         done = subprocess.run(cmd, check=False, cwd=REPO_ROOT, stdout=fh, stderr=subprocess.STDOUT, timeout=300,

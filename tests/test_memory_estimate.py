@@ -12,6 +12,7 @@ import torch
 from src.callbacks import memory_estimate as me
 from src.callbacks.profiling import SavedTensorsMeter
 from src.runs.build import build
+from src.runs.training import train
 from tests.conftest import FAST, compose_train
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -51,10 +52,10 @@ def test_probes_change_nothing_and_extrapolate(dkef):
 
 
 def test_warns_with_the_keys_to_lower_when_a_step_will_not_fit(dkef, monkeypatch, caplog):
-    cfg, module = dkef
+    _, module = dkef
     trainer = types.SimpleNamespace(global_step=0, is_global_zero=True, world_size=1)
     monkeypatch.setattr(me, "free_bytes", lambda device: 1024)  # a machine with 1 kB free
-    cb = me.MemoryEstimate(16, cfg.model)  # the DEQ setting: the module's own
+    cb = me.MemoryEstimate(16)  # the widths and the DEQ setting: the module's own
     with caplog.at_level(logging.INFO, logger="src.callbacks.memory_estimate"):
         cb.on_fit_start(trainer, module)
     assert cb.result is not None and cb.result["step_bytes"] > 1024
@@ -67,3 +68,15 @@ def test_warns_with_the_keys_to_lower_when_a_step_will_not_fit(dkef, monkeypatch
     with caplog.at_level(logging.INFO, logger="src.callbacks.memory_estimate"):
         cb.on_fit_start(trainer, module)
     assert [r.levelno for r in caplog.records] == [logging.INFO]  # the figure, no warning
+
+
+@pytest.mark.parametrize("group, expected", [("default", 1), ("minimal", 1), ("none", 0)])
+def test_the_estimate_is_a_callback_of_the_callbacks_group(tmp_path, caplog, group, expected):
+    """Every callback comes from the callbacks group (conf/callbacks/): the estimate is there, and with
+    callbacks=none (or callbacks.memory_estimate=null) a run makes none."""
+    cfg = compose_train([*FAST, f"callbacks={group}", "trainer.max_steps=1", "test=false",
+                         "trainer.enable_progress_bar=false"], tmp_path)
+    assert ("memory_estimate" in cfg.callbacks) == bool(expected)
+    with caplog.at_level(logging.INFO, logger="src.callbacks.memory_estimate"):
+        train(cfg)
+    assert sum(r.getMessage().startswith("memory estimate: ") for r in caplog.records) == expected

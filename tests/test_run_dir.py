@@ -15,7 +15,7 @@ import pytest
 from src.runtime.run_dir import LOCK_NAME, RunDirInUse, claim_run_dir, release, run_stamp
 from tests.conftest import FAST, REPO_ROOT
 
-TINY_RUN = [*FAST, "trainer.max_steps=3", "trainer.enable_progress_bar=false", "memory_estimate=false",
+TINY_RUN = [*FAST, "trainer.max_steps=3", "trainer.enable_progress_bar=false", "callbacks.memory_estimate=null",
             "model.metrics.log_likelihood.samples=200"]
 
 

@@ -68,7 +68,7 @@ SIZES = {
 }
 # every src.train job here: no W&B, no progress bar, no checkpoints, no start-up memory probes
 QUIET = ["logger=none", "trainer.enable_progress_bar=false", "callbacks.progress_bar=null",
-         "callbacks.model_checkpoint=null", "callbacks.last_checkpoint=null", "memory_estimate=false"]
+         "callbacks.model_checkpoint=null", "callbacks.last_checkpoint=null", "callbacks.memory_estimate=null"]
 MIN_JOB_S = 25.0  # below this much time left, a src.train job on a GPU (start-up alone: ~10-20 s) is skipped
 FID_GRACE = 0.1  # the FID job (the last) may run this fraction of the whole budget past it before it is stopped
 

@@ -67,14 +67,14 @@ DRY = {
     "vae": {"steps": 4, "every": 2, "fid_samples": 8, "ais_points": 2, "final_ais_points": 3,
             "extra": ("data.limit=256 data.batch_size=8 data.eval_batch_size=16 model.latent_dim=4 model.hidden=16 "
                       "model.channels=8 model.metrics.vae.val_points=8 trainer.val_check_interval=2 "
-                      "trainer.limit_val_batches=1 memory_estimate=false"),
+                      "trainer.limit_val_batches=1 callbacks.memory_estimate=null"),
             "eval_extra": ("model.metrics.fid.bootstrap=4 model.metrics.log_likelihood.ais.n_steps=5 "
                            "model.metrics.log_likelihood.ais.n_chains=2 model.metrics.log_likelihood.ais.leapfrog=2 "
                            "model.metrics.vae.test_points=16 trainer.limit_test_batches=1 model.n_samples_grid=4")},
     "ncsn": {"steps": 4, "every": 2, "fid_samples": 8, "ais_points": 2, "final_ais_points": 0,
              "extra": ("data.limit=200 data.batch_size=8 data.eval_batch_size=16 model.ngf=4 "
                        "model.noise.num_classes=3 trainer.val_check_interval=2 trainer.limit_val_batches=1 "
-                       "memory_estimate=false"),
+                       "callbacks.memory_estimate=null"),
              "eval_extra": ("model.metrics.fid.bootstrap=4 model.sampling.n_steps_each=1 "
                             "model.metrics.noise_conditional.test_points=8 trainer.limit_test_batches=1 "
                             "model.n_samples_grid=4")},

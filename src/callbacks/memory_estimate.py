@@ -2,7 +2,8 @@
 
 An image model's step can need tens of GB at the paper's sizes (DEQ-NCSN with SSM-VR at batch 128, ngf 64 grew
 past 10 GB of RSS within two minutes on a CPU), and nothing said so before the machine started swapping or the
-process was killed. :class:`MemoryEstimate` (added by ``src.train``; ``memory_estimate=false`` switches it off)
+process was killed. :class:`MemoryEstimate` (``callbacks.memory_estimate`` of conf/callbacks/default.yaml and
+minimal.yaml; ``callbacks.memory_estimate=null`` switches it off)
 runs, at the start of fit, two *probe steps* of the family's own ``training_step`` on the first 2 and 4
 training points and counts the bytes autograd saves for backward in each (the profiler's meter,
 :class:`src.callbacks.profiling.SavedTensorsMeter`). Saved bytes are affine in the batch size, so the two
@@ -125,12 +126,12 @@ def estimate_step_bytes(probes: dict[int, int], batch_size: int, param_bytes: in
     return PEAK_FACTOR * (fixed + batch_size * per_sample) + 3 * param_bytes, per_sample
 
 
-def lowering_hints(model_cfg, deq, batch_size: int) -> str:
-    """The keys that lower a step's memory, with their values in this run; ``deq``: the module's DEQ setting (a
-    ``DEQConfig``, or None for explicit layers)."""
+def lowering_hints(hparams, deq, batch_size: int) -> str:
+    """The keys that lower a step's memory, with their values in this run; ``hparams``: the module's saved
+    hyper-parameters (its ``model.*`` keys); ``deq``: its DEQ setting (a ``DEQConfig``, or None for explicit layers)."""
     hints = [f"data.batch_size (now {batch_size})"]
     for key in WIDTH_KEYS:
-        value = model_cfg.get(key) if model_cfg is not None else None
+        value = hparams.get(key) if hparams is not None else None
         if isinstance(value, int) and not isinstance(value, bool):
             hints.append(f"model.{key} (now {value})")
     if deq is not None and deq.backward == "phantom":
@@ -141,9 +142,9 @@ def lowering_hints(model_cfg, deq, batch_size: int) -> str:
 class MemoryEstimate(L.Callback):
     """Probe, estimate, log, and warn before the first training step (see the module docstring)."""
 
-    def __init__(self, batch_size: int | None, model_cfg=None):
+    def __init__(self, batch_size: int | None):
+        """``batch_size``: the run's training batch (``${data.batch_size}``), the size the probes extrapolate to."""
         self.batch_size = batch_size
-        self.model_cfg = model_cfg
         self.result: dict | None = None
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -176,4 +177,4 @@ class MemoryEstimate(L.Callback):
             log.warning(
                 "memory estimate: a training step at data.batch_size=%d needs about %.1f GB but only %.1f GB of "
                 "%s is free: the run may swap or be killed. Lower %s.", self.batch_size, step / GB, free / GB,
-                where, lowering_hints(self.model_cfg, getattr(pl_module, "deq", None), int(self.batch_size)))
+                where, lowering_hints(getattr(pl_module, "hparams", None), getattr(pl_module, "deq", None), int(self.batch_size)))

@@ -22,16 +22,17 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from src.callbacks.checkpoint import LastCheckpoint
 from src.callbacks.ema import check_resume
-from src.callbacks.memory_estimate import MemoryEstimate
 from src.callbacks.profiling import ProfilingCallback
 from src.config.family_data import check_family_data
 from src.metrics.presets import apply_eval_preset
 from src.runs.build import build
-from src.runtime.atomic import write_json_atomic
+from src.runs.identity import ALLOW_KEY, check_same_run, run_identity
+from src.runs.identity import CHECKPOINT_KEY as IDENTITY_KEY
+from src.runtime.atomic import atomic_file, write_json_atomic
 from src.runtime.checkpoints import (
     AtomicCheckpointIO,
-    check_checkpoint_file,
     check_matches_model,
+    load_checked,
     remove_stale_temporaries,
 )
 from src.runtime.environment import print_metrics, set_float_environment
@@ -109,25 +110,60 @@ def _wandb_group(cfg: DictConfig) -> str | None:
     return None
 
 
+def save_run_config(cfg: DictConfig) -> Path | None:
+    """Rewrite ``<run dir>/.hydra/config.yaml`` with ``cfg`` as it runs: Hydra saves the composed config before the
+    task starts, and the evaluation preset (and a sweep's W&B group) is resolved into the config after that, so
+    without this the saved config would not be the one that ran (``src.evaluate`` and ``src.sample`` read it).
+    Written atomically, on global rank 0 of a Hydra run that saves its config; the path, or None."""
+    from lightning.fabric.utilities.rank_zero import rank_zero_only
+
+    try:
+        hc = HydraConfig.get()
+    except ValueError:  # composed without a Hydra run (tests, tools): nothing was saved
+        return None
+    if hc.output_subdir is None or getattr(rank_zero_only, "rank", 0) != 0:
+        return None
+    path = Path(hc.runtime.output_dir) / hc.output_subdir / "config.yaml"
+    with atomic_file(path, "w") as fh:
+        fh.write(OmegaConf.to_yaml(cfg))
+    return path
+
+
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Train and test one configuration; return the metrics written to ``metrics.json``."""
     validate_config(cfg)
+    # the config is settled before anything is built, and saved as it will run (save_run_config)
     eval_record = apply_eval_preset(cfg)  # eval=quick|standard|paper|auto: the test phase's cost, logged
+    group = _wandb_group(cfg)
+    if group and cfg.get("logger") and "wandb" in cfg.logger:
+        with open_dict(cfg):
+            cfg.logger.wandb.group = group  # multirun jobs: one W&B run each, grouped by sweep
+    save_run_config(cfg)
     set_float_environment(cfg)
     L.seed_everything(cfg.seed, workers=True)
     out_dir = output_dir(cfg)
 
     datamodule: L.LightningDataModule = build(cfg.data)
     model: L.LightningModule = build(cfg.model)
-    group = _wandb_group(cfg)
-    if group and cfg.get("logger") and "wandb" in cfg.logger:
-        with open_dict(cfg):
-            cfg.logger.wandb.group = group  # multirun jobs: one W&B run each, grouped by sweep
-    callbacks = _instantiate_group(cfg.get("callbacks"))
-    if cfg.get("memory_estimate", True):  # probe steps before the first one: warn when a step will not fit
-        callbacks.append(MemoryEstimate(OmegaConf.select(cfg, "data.batch_size"), cfg.get("model")))
+    callbacks = _instantiate_group(cfg.get("callbacks"))  # every callback from the callbacks group
     if not cfg.trainer.get("enable_progress_bar", True):  # a progress-bar callback would contradict it
         callbacks = [cb for cb in callbacks if not isinstance(cb, ProgressBar)]
+    # A resume's checkpoint is checked before anything starts (loggers, W&B, the trainer): weights-only unless
+    # trust_checkpoint=true, of this model's family and shapes (no override can allow another), of this run's
+    # objective, sizes, DEQ settings and data unless resume_allow names the key (src.runs.identity), and an EMA
+    # checkpoint is refused without ema=true; read memory-mapped here, and checked again as Lightning loads it.
+    # Every checkpoint written holds this run's identity for that check.
+    trust = bool(cfg.get("trust_checkpoint", False))
+    identity = run_identity(cfg)
+    validators = [functools.partial(check_matches_model, model=model),
+                  functools.partial(check_same_run, identity=identity, allow=cfg.get(ALLOW_KEY) or ()),
+                  functools.partial(check_resume, callbacks=callbacks)]
+    if cfg.get("ckpt_path"):
+        saved = load_checked(cfg.ckpt_path, trust=trust, mmap=True)
+        for check in validators:
+            check(saved, path=cfg.ckpt_path)
+        del saved
+        remove_stale_temporaries(Path(cfg.ckpt_path).parent)  # a killed save's leftovers
     loggers = _instantiate_group(cfg.get("logger"))
     trainer_cfg = follow_optimization_mode(cfg.trainer, model)
     trainer_cfg = follow_ddp_needs(trainer_cfg, model)
@@ -139,12 +175,7 @@ def train(cfg: DictConfig) -> dict[str, Any]:
         with open_dict(trainer_cfg):
             trainer_cfg.num_sanity_val_steps = 0
     one_last_checkpoint(callbacks)
-    # checked as it is loaded (the one load of the file): weights-only unless trust_checkpoint=true, of this
-    # model's family and shapes, and an EMA checkpoint is refused without ema=true
-    trust = bool(cfg.get("trust_checkpoint", False))
-    checkpoint_io = AtomicCheckpointIO(validators=[functools.partial(check_matches_model, model=model),
-                                                   functools.partial(check_resume, callbacks=callbacks)],
-                                       trust=trust)
+    checkpoint_io = AtomicCheckpointIO(validators=validators, trust=trust, stamp={IDENTITY_KEY: identity})
     trainer: L.Trainer = instantiate(trainer_cfg, callbacks=callbacks, logger=loggers or False,
                                      plugins=[checkpoint_io])
     for lg in loggers:
@@ -152,11 +183,6 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model: %s, %d parameters; output dir: %s", type(model).__name__, n_params, out_dir)
-    if cfg.get("ckpt_path"):
-        # cheap checks now (a clear error before any training set-up); the checkpoint's content is checked
-        # once, as Lightning loads it through AtomicCheckpointIO
-        check_checkpoint_file(cfg.ckpt_path)
-        remove_stale_temporaries(Path(cfg.ckpt_path).parent)  # a killed save's leftovers
     t_fit, c_fit = time.perf_counter(), time.process_time()
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"), weights_only=not trust)
 

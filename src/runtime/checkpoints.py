@@ -77,12 +77,14 @@ def _offending_object(exc: BaseException) -> str:
     return match.group(1) if match else str(exc).splitlines()[0][:200]
 
 
-def load_checked(path: str | Path, map_location="cpu", trust: bool = False) -> dict:
+def load_checked(path: str | Path, map_location="cpu", trust: bool = False, mmap: bool = False) -> dict:
     """Load a Lightning checkpoint once, checking it on the way: weights-only unpickling unless ``trust``
-    (module docstring). Raises UnsafeCheckpointError / CheckpointError naming the file."""
+    (module docstring). ``mmap``: map the tensors' storage instead of reading it (a cheap look at a checkpoint's
+    metadata, e.g. a resume's checks before the run starts). Raises UnsafeCheckpointError / CheckpointError naming
+    the file."""
     path = check_checkpoint_file(path)
     try:
-        ckpt = torch.load(path, map_location=map_location, weights_only=not trust)
+        ckpt = torch.load(path, map_location=map_location, weights_only=not trust, mmap=mmap)
     except pickle.UnpicklingError as exc:
         if trust:
             raise CheckpointError(f"checkpoint {path} could not be read ({type(exc).__name__}: {exc})") from exc
@@ -242,12 +244,15 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     ``validators``: callables ``(checkpoint dict, path=…) -> None`` that raise on a bad resume. ``trust``: unpickle
     without the weights-only restriction (a trusted old checkpoint). ``last_path``: the run's ``last.ckpt``;
-    every other checkpoint is written as it first (module docstring).
+    every other checkpoint is written as it first (module docstring). ``stamp``: entries added to every checkpoint
+    written (``src.train``: the run's identity, :mod:`src.runs.identity`, which a resume checks).
     """
 
-    def __init__(self, validators=(), trust: bool = False, last_path: str | Path | None = None):
+    def __init__(self, validators=(), trust: bool = False, last_path: str | Path | None = None,
+                 stamp: Mapping[str, Any] | None = None):
         super().__init__()
         self.validators = list(validators)
+        self.stamp = dict(stamp or {})
         self.trust = bool(trust)
         self.last_path = None if last_path is None else Path(last_path)
 
@@ -261,7 +266,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     def save_checkpoint(self, checkpoint, path, storage_options=None):
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        checkpoint = safe_contents(checkpoint)
+        checkpoint = safe_contents({**checkpoint, **self.stamp})
         last = self.last_path
         if last is None or path.resolve() == last.resolve():
             _write_atomic(checkpoint, path)
