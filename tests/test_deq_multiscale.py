@@ -17,7 +17,12 @@ from src.models.ncsn import NCSN
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 UNROLL = 110  # the reference: autograd through 110 iterations of φ from zero (its error ~ ρ¹¹⁰ < 1e-25 at these maps)
-CASES = [("resblock", (2,)), ("resblock", (2, 4)), ("mdeq_gn", (2,)), ("mdeq_gn", (2, 4))]
+# the two-resolution group-norm map converges slowly (≈ 45 iterations to 1e-13): its third-order checks take ~2 min
+# and run with the slow tests (`make test-all`); its input gradient (finite differences) and penalty run always
+SLOW_GN = pytest.param("mdeq_gn", (2, 4), marks=pytest.mark.slow, id="mdeq_gn-two_resolutions")
+CASES = [pytest.param("resblock", (2,), id="resblock-one_resolution"),
+         pytest.param("resblock", (2, 4), id="resblock-two_resolutions"),
+         pytest.param("mdeq_gn", (2,), id="mdeq_gn-one_resolution"), SLOW_GN]
 
 
 def make_block(cell: str, channels, **cfg) -> MultiscaleDEQBlock:
@@ -128,7 +133,7 @@ def test_implicit_backward_matches_the_unrolled_reference(cell, channels):
     assert rel(s_i, s_r) < 1e-8 and rel(tr_i, tr_r) < 1e-8 and rel(g_i, g_r) < 1e-8
 
 
-@pytest.mark.parametrize(("cell", "channels"), [CASES[1], CASES[3]])
+@pytest.mark.parametrize(("cell", "channels"), [CASES[1], SLOW_GN])
 def test_phantom_with_many_steps_matches_the_unrolled_reference(cell, channels):
     """Alg. 1 with K = 110 phantom steps from the converged z*: the same three quantities to 1e-7."""
     block = make_block(cell, channels, backward="phantom", phantom_steps=UNROLL)
@@ -141,7 +146,7 @@ def test_phantom_with_many_steps_matches_the_unrolled_reference(cell, channels):
 
 def test_phantom_with_two_steps_is_truncated():
     """The comparison above can fail: K = 2 misses the Neumann tail."""
-    block = make_block("mdeq_gn", (2, 4), backward="phantom", phantom_steps=2)
+    block = make_block("resblock", (2, 4), backward="phantom", phantom_steps=2)
     x, labels, head = _inputs(block)
     params = [*block.parameters(), head[0]]
     _, _, g_p = sm_loss_and_grads(lambda u: block(u, labels), x, head, params)
