@@ -44,6 +44,12 @@ TWORES = "deq=false depth=1"
 MDEQ_RES = "model.arch=mdeq deq=true deq.block=null deq.norm=spectral deq.norm_lambda=2"
 MDEQ_GN = "model.arch=mdeq model.cell=mdeq_gn deq=true deq.block=null deq.solver=anderson deq.max_iter=30"
 DEQ_GN = "model.cell=mdeq_gn deq=true deq.block=null deq.solver=anderson deq.max_iter=30"
+MDEQ_RES_15 = "model.arch=mdeq deq=true deq.block=null deq.norm=spectral deq.norm_lambda=1.5"
+# the group-norm cell with the phantom backward (K = 3) and a 12-iteration Anderson solve: its cheap form
+MDEQ_GN_PH = ("model.arch=mdeq model.cell=mdeq_gn deq=true deq.block=null deq.solver=anderson deq.max_iter=12 "
+              "deq.backward=phantom deq.phantom_steps=3 deq.backward_tol=null")
+DEQ_GN_PH = ("model.cell=mdeq_gn deq=true deq.block=null deq.solver=anderson deq.max_iter=12 "
+             "deq.backward=phantom deq.phantom_steps=3 deq.backward_tol=null")
 # arm: (overrides after experiment=ncsn_mnist_long, what it is)
 ARMS = {
     "refinenet": ("model.arch=refinenet", "RefineNet (no DEQ)"),
@@ -54,6 +60,12 @@ ARMS = {
     "mdeq_gn_jr": (f"{MDEQ_GN} deq.jacobian_penalty=1", "mdeq_gn + Jacobian penalty gamma 1 (8 rows)"),
     "mdeq_gn_one_pass": (f"{MDEQ_GN} deq.one_pass=true", "its one-pass control"),
     "deq_gn": (DEQ_GN, "single-resolution DEQ (arch=deq) with the MDEQ group-norm cell, Anderson, cap 30"),
+    "mdeq_res_l15": (MDEQ_RES_15, "mdeq_res at spectral lambda 1.5 (bound 1.48: convergence no longer guaranteed)"),
+    "mdeq_res_l15_jr": (f"{MDEQ_RES_15} deq.jacobian_penalty=1", "mdeq_res_l15 + Jacobian penalty gamma 1"),
+    "mdeq_gn_phantom_jr": (f"{MDEQ_GN_PH} deq.jacobian_penalty=1",
+                           "mdeq_gn, phantom K = 3, Anderson cap 12, Jacobian penalty gamma 1"),
+    "deq_gn_phantom_jr": (f"{DEQ_GN_PH} deq.jacobian_penalty=1",
+                          "deq_gn, phantom K = 3, Anderson cap 12, Jacobian penalty gamma 1"),
 }
 MB = 2**20
 
