@@ -61,11 +61,16 @@ ARMS = {
     "mdeq_gn_one_pass": (f"{MDEQ_GN} deq.one_pass=true", "its one-pass control"),
     "deq_gn": (DEQ_GN, "single-resolution DEQ (arch=deq) with the MDEQ group-norm cell, Anderson, cap 30"),
     "mdeq_res_l15": (MDEQ_RES_15, "mdeq_res at spectral lambda 1.5 (bound 1.48: convergence no longer guaranteed)"),
+    "mdeq_res3_l15": (f"{MDEQ_RES_15} model.scales=3", "mdeq_res_l15 over three resolutions (28, 14, 7)"),
     "mdeq_res_l15_jr": (f"{MDEQ_RES_15} deq.jacobian_penalty=1", "mdeq_res_l15 + Jacobian penalty gamma 1"),
     "mdeq_gn_phantom_jr": (f"{MDEQ_GN_PH} deq.jacobian_penalty=1",
                            "mdeq_gn, phantom K = 3, Anderson cap 12, Jacobian penalty gamma 1"),
     "deq_gn_phantom_jr": (f"{DEQ_GN_PH} deq.jacobian_penalty=1",
                           "deq_gn, phantom K = 3, Anderson cap 12, Jacobian penalty gamma 1"),
+    "mdeq_gn_k1_jr": (f"{MDEQ_GN_PH.replace('phantom_steps=3', 'phantom_steps=1')} deq.jacobian_penalty=1",
+                      "mdeq_gn, phantom K = 1, Anderson cap 12, Jacobian penalty gamma 1"),
+    "deq_gn_k1_jr": (f"{DEQ_GN_PH.replace('phantom_steps=3', 'phantom_steps=1')} deq.jacobian_penalty=1",
+                     "deq_gn, phantom K = 1, Anderson cap 12, Jacobian penalty gamma 1"),
 }
 MB = 2**20
 
@@ -106,7 +111,7 @@ def run(args) -> dict:
                 mine = pool.submit(train, overrides, args.steps, args.root, Path(work) / arm)
                 partner = pool.submit(train, TWORES, args.steps, args.root, Path(work) / f"{arm}_twores")
                 row, ref = mine.result(), partner.result()
-            res["arms"][arm] = {"what": what, "command": "python -m src.train " + " ".join(
+            res["arms"][arm] = {"what": what, "study_command": args.command, "command": "python -m src.train " + " ".join(
                 [*train_command(overrides, args.steps), "data.root=<data dir>"]), **row, "twores": ref,
                 "time_ratio": row["s_per_step"] / ref["s_per_step"], "bytes_ratio": row["saved_MB"] / ref["saved_MB"]}
             res["meta"] = {"command": args.command, "machine": machine_facts().rsplit("; cpu", 1)[0],
@@ -124,15 +129,18 @@ def _f(v, digits=2):
 
 def render(res: dict) -> str:
     meta = res.get("meta", {})
+    studies = list(dict.fromkeys(r.get("study_command", meta.get("command", "")) for r in res.get("arms", {}).values()))
     lines = ["# Image-DEQ designs: cost per training step beside TwoRes (`experiment=ncsn_mnist_long`)", "",
-             (f"`{meta.get('command', '')}` — {meta.get('machine', '')}. {meta.get('steps')} training steps per run "
+             "Made by, in turn:", "", "```bash", *studies, "```", "",
+             (f"{meta.get('machine', '')}. {meta.get('steps')} training steps per run "
              "(batch 32, SSM-VR), each design in its own process with one torch thread, at the same time as a TwoRes "
              f"run (`{meta.get('twores_command', '')}`). **The machine is shared** (2 cores, other engineers' jobs and "
              "a background training run): absolute seconds are several times those of a quiet machine (the campaign "
              "measured TwoRes at 0.40-0.45 s and RefineNet at 0.71 s per step); read the ratio to the TwoRes run "
              "beside it. Saved bytes do not depend on the load. Iterations: forward solves, mean over the steps "
              "(max); cap hits: forward solves that reached `deq.max_iter` unconverged; adjoint: the implicit "
-             "backward's adjoint solves, mean iterations."), "",
+             "backward's adjoint solves, mean iterations. Each run's CPU over wall time was 0.3-0.4: its process "
+             "held a third of a core."), "",
              ("| design | s / step | TwoRes beside it | time × TwoRes | saved MB | × TwoRes | params | iterations "
               "(max) | cap hits | adjoint iterations |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, r in res.get("arms", {}).items():
