@@ -1,10 +1,11 @@
 """A multi-resolution equilibrium (MDEQ, Bai, Koltun & Kolter 2020) and its cells, as one DEQ block.
 
 The state is a list of feature maps at n resolutions, z = (z₀, …, z_{n−1}), z_i of shape
-``[B, c_i, H_i, W_i]`` with H_{i+1} = ⌈H_i/2⌉ (MDEQ §3.2: "the equilibrium state spans all resolutions at
-once"), *packed* into one flat tensor ``[B, Σ c_i H_i W_i]`` (:func:`pack` / :func:`unpack`, exact reshapes
+``[B, c_i, H_i, W_i]`` with H_{i+1} = ⌈H_i/2⌉ (MDEQ solves for every resolution's features at once, as one
+fixed point), *packed* into one flat tensor ``[B, Σ c_i H_i W_i]`` (:func:`pack` / :func:`unpack`, exact reshapes
 and one concatenation), so the solvers' per-sample residual, the warm start, the phantom steps and the
-implicit backward handle it as any other state. The map (MDEQ eqs. 6-7 there) is, per branch i,
+implicit backward handle it as any other state. The map (MDEQ's residual cells and multiscale fusion) is, per
+branch i,
 
     c_i = cell_i(z_i; g_i(x)),          z_i' = post_i( Σ_j F_ij(c_j) ),
 
