@@ -41,6 +41,7 @@ REBUILT_BY = {
     "ncsn_mnist_campaign": "benchmarks.tools.generative_seeds ncsn_long --render --name ncsn_mnist_campaign",
     "ncsn_long_extension_seed0": "benchmarks.tools.training_curves ncsn_long --render --name ncsn_long_extension_seed0",
     "ncsn_deq_cost": "benchmarks.studies.ncsn_deq_cost --render",
+    "ncsn_mdeq_cost": "benchmarks.studies.ncsn_mdeq_cost --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
     "faults": "benchmarks.tools.fault_table --render",
     "gpu_suite": "benchmarks.tools.gpu_suite --render",
@@ -82,6 +83,9 @@ SHOWS = {
     "dkef_table3": "Paper Table 3 at its protocol (DKEF on the 100- and 200-d Gaussian, 200 epochs at batch 32, "
                    "early stopping with patience 20): DEQ-SM and SM 16-layer, 3 seeds each, beside the paper and "
                    "the ground-truth log-likelihood.",
+    "ncsn_mdeq_cost": "The image-DEQ designs (multi-resolution equilibrium, MDEQ's group-norm cell, Jacobian "
+                      "penalty) at experiment=ncsn_mnist_long: seconds and saved bytes per step, each beside a "
+                      "TwoRes run, and their solvers' convergence over 20 steps.",
     "ncsn_deq_cost": "The NCSN DEQ's step by implicit-backward level (time, bytes saved) at ncsn_mnist and at the "
                      "authors' CIFAR-10 settings, the 40-step acceptance runs beside TwoRes, and the cheaper routes "
                      "tried over 300 steps.",
@@ -201,6 +205,9 @@ SHOWS = {
     "notes/ncsn_long_extension_seed0": "The note printed under `ncsn_long_extension_seed0.md`'s machine line "
                                        "(`--note`): its points up to 6000 steps are copies of the campaign's seed-0 "
                                        "runs; only 7500 and 9000 steps are new.",
+    "notes/ncsn_deq_search_plan": "The pre-registered image-DEQ search (issue 59, a draft not yet run): the 1500-step "
+                                  "protocol and whether it ranks the campaign's seed-0 arms, the designs as commands, "
+                                  "the cost and convergence gates and the rule that picks the winner.",
     "notes/ncsn_protocol": "How experiment=ncsn_mnist_long's NCSN protocol was chosen: probes A and B side by side, "
                            "NCSNv2's rules computed for MNIST.",
     "notes/ncsn_deq_cost_frontier": "The note printed under `ncsn_deq_cost.md`'s frontier table (`--note`): why "

@@ -23,7 +23,7 @@ import torch
 from src.config.values import plain
 from src.deq.lookup import blocks_of
 from src.lit.base import ScoreMatchingModule, batch_tensor
-from src.models.ncsn import NCSN, geometric_sigmas
+from src.models.ncsn import DEQ_ARCHS, NCSN, geometric_sigmas
 from src.objectives.conditional import noise_conditional
 from src.objectives.registry import get_objective
 from src.runtime import progress
@@ -62,6 +62,10 @@ class NCSNLitModule(ScoreMatchingModule):
         arch: str = "deq",
         ngf: int = 64,
         conditioning: str = "cond_norm",
+        cell: str = "resblock",
+        scales: int = 2,
+        groups: int = 4,
+        cell_activation: str = "elu",
         pixel_range: str = "unit",
         noise: Mapping | None = None,
         anneal_power: float = 2.0,
@@ -76,7 +80,7 @@ class NCSNLitModule(ScoreMatchingModule):
         loss, deq, noise, sampling, optimizer, metrics = (
             plain(c) for c in (loss, deq, noise, sampling, optimizer, metrics))
         super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
-                         loss=loss, deq=deq if arch == "deq" else None)  # refinenet has no DEQ: ignores deq
+                         loss=loss, deq=deq if arch in DEQ_ARCHS else None)  # refinenet: no DEQ, ignores deq
         self.save_hyperparameters()
         self.anneal_power = float(anneal_power)
         noise = {"sigma_begin": 1.0, "sigma_end": 0.01, "num_classes": 10, **(noise or {})}
@@ -86,7 +90,8 @@ class NCSNLitModule(ScoreMatchingModule):
         self.pixel_range = pixel_range
         self.data_shape = tuple(int(s) for s in data_shape)
         self.net = NCSN(self.data_shape[0], sigmas, arch=arch, ngf=ngf, deq=self.deq, depth=depth,
-                        centered_input=pixel_range == "unit", conditioning=conditioning)
+                        centered_input=pixel_range == "unit", conditioning=conditioning, cell=cell,
+                        scales=scales, groups=groups, cell_activation=cell_activation)
         unknown = set(sampling or {}) - set(SAMPLING_DEFAULTS)
         if unknown:
             raise ValueError(f"model.sampling: unknown key(s) {sorted(unknown)}; valid: {', '.join(SAMPLING_DEFAULTS)}")

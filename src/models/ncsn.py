@@ -22,7 +22,11 @@ Architectures (``arch``), each mapping ``(x, labels) → s(x, i)`` with NCSN's o
   :class:`src.deq.block.ConditionalResidualDEQBlock`, f(z; y, i) = h(z; i) + g(y) with g a linear conv of
   the previous ResBlock's output (added after h's nonlinearity: no double squash, see
   :mod:`src.models.deq_net`) and the noise level entering h as map parameters; with ``deq=False`` it is
-  ``depth`` plain ResBlocks (``depth=1``: the paper's TwoRes NCSN).
+  ``depth`` plain ResBlocks (``depth=1``: the paper's TwoRes NCSN). ``cell=mdeq_gn`` gives the DEQ-ResBlock
+  MDEQ's group-norm cell instead (:mod:`src.deq.multiscale`, one resolution);
+- ``mdeq`` — a multi-resolution equilibrium (MDEQ, Bai et al. 2020; :mod:`src.models.ncsn_mdeq`): conv3×3 →
+  ResBlock → MDEQ block over ``scales`` resolutions (ngf at H×W, 2ngf below), ``cell`` ``resblock`` | ``mdeq_gn``
+  → one RefineBlock fusing its resolutions → CIN++ → ELU → conv3×3; needs ``deq=True``.
 
 At ngf = 128 on CIFAR-10 the paper lists 28M parameters for NCSN and 9M for DEQ-NCSN (Table 5);
 :func:`count_parameters` gives ours (tests/test_ncsn.py checks the ratio).
@@ -39,9 +43,11 @@ from torch import nn
 
 from src.deq.block import ConditionalResidualDEQBlock, NormalizedResidualDEQBlock, ResidualDEQBlock
 from src.deq.config import DEQConfig, resolve_depth
+from src.deq.multiscale import CELLS, MultiscaleDEQBlock
 from src.layers.instance_norm import norm_act
 
-ARCHS = ("refinenet", "deq")
+ARCHS = ("refinenet", "deq", "mdeq")
+DEQ_ARCHS = ("deq", "mdeq")  # the architectures with a DEQ block (deq=true)
 CONDITIONINGS = ("cond_norm", "sigma")
 
 
@@ -248,9 +254,15 @@ class DEQResBlock(nn.Module):
     parameters (:class:`src.deq.block.ResidualDEQBlock`), called with the labels all the same. ``config`` is the
     run's DEQ setting, parsed once where the module was built (:mod:`src.deq.config`)."""
 
-    def __init__(self, channels: int, num_classes: int | None, config: DEQConfig, name: str = "ncsn.deq"):
+    def __init__(self, channels: int, num_classes: int | None, config: DEQConfig, name: str = "ncsn.deq",
+                 cell: str = "resblock", groups: int = 4, activation: str = "elu"):
         super().__init__()
-        if config.block == "normalized_residual":  # the paper authors' code's block (identity injection)
+        if cell == "mdeq_gn":  # MDEQ's group-norm cell at one resolution (src.deq.multiscale)
+            self.block = MultiscaleDEQBlock(channels, (channels,), num_classes, cell=cell, groups=groups,
+                                            activation=activation, config=config, name=name)
+        elif cell != "resblock":
+            raise ValueError(f"model.cell={cell!r} is unknown; valid: {', '.join(CELLS)}")
+        elif config.block == "normalized_residual":  # the paper authors' code's block (identity injection)
             self.block = NormalizedResidualDEQBlock(channels, 3, config=config, name=name)
         elif num_classes is None:
             self.block = LabelFreeResidualDEQBlock(channels, channels, 3, config=config, name=name)
@@ -258,16 +270,18 @@ class DEQResBlock(nn.Module):
             self.block = ConditionalResidualDEQBlock(channels, channels, num_classes, 3, config=config, name=name)
 
     def forward(self, y, labels):
-        return self.block(y, labels)
+        z = self.block(y, labels)
+        return z.reshape(y.shape) if isinstance(self.block, MultiscaleDEQBlock) else z  # one resolution: unpacked
 
 
 class NCSN(nn.Module):
     """Noise-conditional score network ``score(x, labels)`` = net(2x − 1, labels) / σ_labels (see module doc).
 
     ``sigmas`` (the L noise levels, σ₁ > … > σ_L) are a buffer of the network, so samplers and losses read
-    them from the model. ``arch``: ``refinenet`` | ``deq``; ``deq`` (the parsed DEQ setting, a ``DEQConfig``)
-    puts the DEQ-ResBlock in the ``deq`` architecture, None ``depth`` ResBlocks (``refinenet`` has no DEQ and
-    ignores ``deq`` and ``depth``).
+    them from the model. ``arch``: ``refinenet`` | ``deq`` | ``mdeq``; ``deq`` (the parsed DEQ setting, a
+    ``DEQConfig``) puts the DEQ-ResBlock in the ``deq`` architecture, None ``depth`` ResBlocks (``refinenet`` has
+    no DEQ and ignores ``deq`` and ``depth``; ``mdeq`` needs it). ``cell`` (``resblock`` | ``mdeq_gn``),
+    ``groups`` and ``cell_activation``: the DEQ map's cell; ``scales``: ``mdeq``'s resolutions.
 
     ``conditioning``: how the noise level enters —
 
@@ -281,7 +295,8 @@ class NCSN(nn.Module):
 
     def __init__(self, channels: int, sigmas: Sequence[float] | torch.Tensor, arch: str = "deq", ngf: int = 64,
                  deq: DEQConfig | None = None, depth: int | None = None, centered_input: bool = True,
-                 conditioning: str = "cond_norm"):
+                 conditioning: str = "cond_norm", cell: str = "resblock", scales: int = 2, groups: int = 4,
+                 cell_activation: str = "elu"):
         super().__init__()
         if arch not in ARCHS:
             raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
@@ -296,8 +311,17 @@ class NCSN(nn.Module):
         self.arch, self.ngf, self.centered_input = arch, int(ngf), bool(centered_input)
         self.num_classes = sig.numel()
         n = self.num_classes if conditioning == "cond_norm" else None  # what the blocks are conditioned on
-        setting = deq if arch == "deq" else None
+        setting = deq if arch in DEQ_ARCHS else None
         self.deq_enabled = setting is not None
+        if arch == "mdeq" and setting is None:
+            raise ValueError("model.arch=mdeq is a multi-resolution equilibrium: give deq=true (deq.one_pass=true for "
+                             "its one-pass control)")
+        if cell not in CELLS:
+            raise ValueError(f"model.cell={cell!r} is unknown; valid: {', '.join(CELLS)}")
+        if cell != "resblock" and not self.deq_enabled:
+            raise ValueError(f"model.cell={cell} is the DEQ map's cell: give deq=true with model.arch=deq or mdeq "
+                             "(or model.cell=resblock)")
+        self.cell = cell
         c1, c2 = self.ngf, 2 * self.ngf
         self.begin = conv3x3(channels, c1)
         if arch == "refinenet":
@@ -307,11 +331,17 @@ class NCSN(nn.Module):
             self.res4 = nn.ModuleList([ResBlock(c2, c2, n, dilation=4), ResBlock(c2, c2, n, dilation=4)])
             self.refine = nn.ModuleList([RefineBlock([c2], c2, n), RefineBlock([c2, c2], c2, n),
                                          RefineBlock([c2, c2], c1, n), RefineBlock([c1, c1], c1, n, end=True)])
+        elif arch == "mdeq":  # the multi-resolution equilibrium read out by one RefineBlock (src.models.ncsn_mdeq)
+            from src.models.ncsn_mdeq import MultiscaleTrunk
+
+            self.trunk = MultiscaleTrunk(c1, n, setting, scales=scales, cell=cell, groups=groups,
+                                         activation=cell_activation)
         else:
             depth = resolve_depth("ncsn", depth, setting)
             self.depth = depth
             self.res_in = ResBlock(c1, c1, n)
-            self.middle = DEQResBlock(c1, n, setting) if self.deq_enabled else ResidualStack(c1, n, depth)
+            self.middle = (DEQResBlock(c1, n, setting, cell=cell, groups=groups, activation=cell_activation)
+                           if self.deq_enabled else ResidualStack(c1, n, depth))
             self.res_out = ResBlock(c1, c1, n)
             self.down = nn.ModuleList([ResBlock(c1, c2, n, resample="down"), ResBlock(c2, c2, n)])
             # the low-resolution RefineBlock outputs ngf (as NCSN's third block does): ≈ 8M parameters at ngf 128
@@ -333,6 +363,8 @@ class NCSN(nn.Module):
             r = self.refine[1]([l3, r], labels, l3.shape[2:])
             r = self.refine[2]([l2, r], labels, l2.shape[2:])
             r = self.refine[3]([l1, r], labels, l1.shape[2:])
+        elif self.arch == "mdeq":
+            r = self.trunk(h, labels)
         else:
             h = self.res_out(self.middle(self.res_in(h, labels), labels), labels)
             l1 = h
@@ -350,12 +382,15 @@ class NCSN(nn.Module):
         return self(x, labels)
 
     def deq_block(self):
-        """The DEQ block (None unless arch=deq with deq=true)."""
-        return self.middle.block if self.deq_enabled else None
+        """The DEQ block (None unless arch=deq or mdeq with deq=true)."""
+        if not self.deq_enabled:
+            return None
+        return self.trunk.block if self.arch == "mdeq" else self.middle.block
 
     def deq_input(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The DEQ block's input y (the output of the ResBlock before it), for contraction-rate estimates."""
-        return self.res_in(self.begin(2 * x - 1 if self.centered_input else x), labels)
+        h = self.begin(2 * x - 1 if self.centered_input else x)
+        return self.trunk.deq_input(h, labels) if self.arch == "mdeq" else self.res_in(h, labels)
 
 
 def count_parameters(module: nn.Module) -> int:
