@@ -61,3 +61,19 @@ GRIDS["ncsn_long"] = {**GRIDS["ncsn"], "experiment": "experiment=ncsn_mnist_long
                       "variants": {v: GRIDS["ncsn"]["variants"][v] for v in (
                           "DEQ-SSM-VR NCSN (record)", "DEQ-SSM-VR NCSN (one-pass)", "TwoRes-SSM-VR NCSN",
                           "SSM-VR NCSN (RefineNet)", "TwoRes-DSM NCSN")}}
+
+# The pre-registered image-DEQ search (issue 59; benchmarks/results/notes/ncsn_deq_search_plan.md): each design's
+# overrides on experiment=ncsn_mnist_long, trained 1500 steps at seed 0 and tested by the FID of 1000 samples.
+# Every design keeps the experiment's exact implicit backward unless it says otherwise; deq.block=null because the
+# experiment's normalized_residual block is single-resolution.
+_MDEQ = ["model.arch=mdeq", "deq=true", "deq.block=null", "deq.norm=spectral"]
+_GN_K1_JR = ["model.cell=mdeq_gn", "deq=true", "deq.block=null", "deq.solver=anderson", "deq.max_iter=12",
+             "deq.backward=phantom", "deq.phantom_steps=1", "deq.backward_tol=null", "deq.jacobian_penalty=1"]
+GRIDS["ncsn_search"] = {**GRIDS["ncsn_long"], "variants": {
+    "S1 mdeq_res": [*_MDEQ, "deq.norm_lambda=2"],
+    "S2 mdeq_res_l15": [*_MDEQ, "deq.norm_lambda=1.5"],
+    "S3 mdeq_res_l15_jr": [*_MDEQ, "deq.norm_lambda=1.5", "deq.jacobian_penalty=1"],
+    "S4 mdeq_res3_l15": [*_MDEQ, "deq.norm_lambda=1.5", "model.scales=3"],
+    "S5 mdeq_gn_k1_jr": ["model.arch=mdeq", *_GN_K1_JR],
+    "S6 deq_gn_k1_jr": _GN_K1_JR,
+}}
