@@ -130,8 +130,11 @@ class DEQConfig:
         if int(self.correction_states) > 0 and self.one_pass:
             raise ValueError("deq.correction_states does not apply with deq.one_pass=true (no solve, no trajectory): "
                              "drop one of them")
+        # the weight-norm keys the user set (before the defaults fill them): a block with no weight norm refuses them
+        self.norm_given = tuple(f"deq.{k}={getattr(self, k)}" for k in ("norm", "norm_lambda")
+                                if getattr(self, k) is not None)
         if self.block == "normalized_residual":
-            given = [f"deq.{k}={getattr(self, k)}" for k in ("norm", "norm_lambda") if getattr(self, k) is not None]
+            given = self.norm_given
             if given:
                 raise ValueError(
                     f"{' '.join(given)} does not apply to deq.block=normalized_residual (it divides its ResBlock by "
