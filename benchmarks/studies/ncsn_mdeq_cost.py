@@ -50,6 +50,7 @@ MDEQ_GN_PH = ("model.arch=mdeq model.cell=mdeq_gn deq=true deq.block=null deq.so
               "deq.backward=phantom deq.phantom_steps=3 deq.backward_tol=null")
 DEQ_GN_PH = ("model.cell=mdeq_gn deq=true deq.block=null deq.solver=anderson deq.max_iter=12 "
              "deq.backward=phantom deq.phantom_steps=3 deq.backward_tol=null")
+FPC = "deq.correction_states=2 deq.correction_gamma=0.8"
 # arm: (overrides after experiment=ncsn_mnist_long, what it is)
 ARMS = {
     "refinenet": ("model.arch=refinenet", "RefineNet (no DEQ)"),
@@ -71,6 +72,10 @@ ARMS = {
                       "mdeq_gn, phantom K = 1, Anderson cap 12, Jacobian penalty gamma 1"),
     "deq_gn_k1_jr": (f"{DEQ_GN_PH.replace('phantom_steps=3', 'phantom_steps=1')} deq.jacobian_penalty=1",
                      "deq_gn, phantom K = 1, Anderson cap 12, Jacobian penalty gamma 1"),
+    # fixed-point correction (Bai et al. 2022; TorchDEQ's n_states = 2, gamma = 0.8): the search plan's C1 and C2
+    "mdeq_res_fpc": (f"{MDEQ_RES_15} {FPC}", "mdeq_res_l15 + fixed-point correction, 2 states, gamma 0.8"),
+    "mdeq_gn_fpc_jr": (f"{MDEQ_GN_PH.replace('phantom_steps=3', 'phantom_steps=1')} deq.jacobian_penalty=1 {FPC}",
+                       "mdeq_gn_k1_jr + fixed-point correction, 2 states, gamma 0.8"),
 }
 MB = 2**20
 
