@@ -252,3 +252,44 @@ def test_ncsn_refuses_what_it_cannot_build():
         NCSN(1, _sigmas(), arch="mdeq", deq=DEQConfig(block="normalized_residual"))
     with pytest.raises(ValueError, match="model.cell=mdeq_gn is the DEQ map's cell"):
         NCSN(1, _sigmas(), arch="deq", deq=None, cell="mdeq_gn")
+    with pytest.raises(ValueError, match=r"deq.norm=spectral deq.norm_lambda=1.5 does not apply to model.cell=mdeq_gn"):
+        NCSN(1, _sigmas(), arch="mdeq", deq=DEQConfig(norm="spectral", norm_lambda=1.5), cell="mdeq_gn", ngf=4)
+    with pytest.raises(ValueError, match=r"deq.norm_lambda=3 does not apply to model.cell=mdeq_gn"):
+        NCSN(1, _sigmas(), arch="deq", deq=DEQConfig(norm_lambda=3), cell="mdeq_gn", ngf=4)
+    with pytest.raises(ValueError, match="deq.norm='none' is not available for convolutional DEQ blocks"):
+        NCSN(1, _sigmas(), arch="mdeq", deq=DEQConfig(norm="none"), ngf=4)
+
+
+@pytest.mark.parametrize("norm", ["spectral", "frobenius"])
+def test_resblock_kernels_are_normalised_by_the_registry_strategy_with_their_checkpoint_keys(norm):
+    """The resblock cell's kernels go through deq.norm's conv strategy (src.deq.normalization): one ``sn_u_<kernel>``
+    buffer per kernel under spectral (none under Frobenius), and each normalised kernel equals the normalisation
+    function applied by hand (a 1×1 up-fusion kernel also divided by 2^(j−i))."""
+    from src.deq.normalization import conv_lipschitz_factor, conv_spectral_normalize, frobenius_normalize
+
+    torch.manual_seed(0)
+    block = MultiscaleDEQBlock(2, (4, 8, 8), 3, config=DEQConfig(norm=norm, norm_lambda=1.5)).double()
+    names = list(block.kernels)
+    assert len(names) == 13  # 3 branches × 2 + fusion 1→0, 2→0 (1×1), 0→1, 2→1 (1×1), 0→2 (2 convs), 1→2
+    buffers = [k for k in block.state_dict() if k.startswith("sn_u")]
+    assert buffers == ([f"sn_u_{n}" for n in names] if norm == "spectral" else [])
+    block.eval()
+    for name in names:
+        kernel = block.kernels[name]
+        if norm == "spectral":
+            want = conv_spectral_normalize(kernel, getattr(block, f"sn_u_{name}").clone(), 1.5, update=False)
+        else:
+            want = frobenius_normalize(kernel, 1.5, scale=conv_lipschitz_factor(kernel))
+        if name.startswith("f"):
+            i, j = (int(s) for s in name[1:].split("_")[:2])
+            want = want / 2 ** (j - i) if j > i else want
+        assert torch.equal(block._kernel(name), want), name
+    if norm == "spectral":  # a training call moves the power vectors, an evaluation call does not
+        x, labels = torch.randn(2, 2, 8, 8, dtype=torch.float64), torch.tensor([0, 2])
+        before = {k: v.clone() for k, v in block.state_dict().items() if k.startswith("sn_u")}
+        with torch.no_grad():
+            block(x, labels)
+        assert all(torch.equal(before[k], block.state_dict()[k]) for k in before)
+        block.train()
+        block(x, labels)
+        assert all(not torch.equal(before[k], block.state_dict()[k]) for k in before)

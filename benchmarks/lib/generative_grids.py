@@ -69,6 +69,7 @@ GRIDS["ncsn_long"] = {**GRIDS["ncsn"], "experiment": "experiment=ncsn_mnist_long
 _MDEQ = ["model.arch=mdeq", "deq=true", "deq.block=null", "deq.norm=spectral"]
 _GN_K1_JR = ["model.cell=mdeq_gn", "deq=true", "deq.block=null", "deq.solver=anderson", "deq.max_iter=12",
              "deq.backward=phantom", "deq.phantom_steps=1", "deq.backward_tol=null", "deq.jacobian_penalty=1"]
+_FPC = ["deq.correction_states=2", "deq.correction_gamma=0.8"]
 GRIDS["ncsn_search"] = {**GRIDS["ncsn_long"], "variants": {
     "S1 mdeq_res": [*_MDEQ, "deq.norm_lambda=2"],
     "S2 mdeq_res_l15": [*_MDEQ, "deq.norm_lambda=1.5"],
@@ -76,4 +77,8 @@ GRIDS["ncsn_search"] = {**GRIDS["ncsn_long"], "variants": {
     "S4 mdeq_res3_l15": [*_MDEQ, "deq.norm_lambda=1.5", "model.scales=3"],
     "S5 mdeq_gn_k1_jr": ["model.arch=mdeq", *_GN_K1_JR],
     "S6 deq_gn_k1_jr": _GN_K1_JR,
+    # fixed-point correction (Bai et al. 2022; TorchDEQ's n_states = 2, gamma = 0.8): the plan's amendment of
+    # 2026-12-02 gives their 20-step costs beside TwoRes
+    "C1 mdeq_res_fpc": [*_MDEQ, "deq.norm_lambda=1.5", *_FPC],
+    "C2 mdeq_gn_fpc_jr": ["model.arch=mdeq", *_GN_K1_JR, *_FPC],
 }}

@@ -50,6 +50,7 @@ MDEQ_GN_PH = ("model.arch=mdeq model.cell=mdeq_gn deq=true deq.block=null deq.so
               "deq.backward=phantom deq.phantom_steps=3 deq.backward_tol=null")
 DEQ_GN_PH = ("model.cell=mdeq_gn deq=true deq.block=null deq.solver=anderson deq.max_iter=12 "
              "deq.backward=phantom deq.phantom_steps=3 deq.backward_tol=null")
+FPC = "deq.correction_states=2 deq.correction_gamma=0.8"
 # arm: (overrides after experiment=ncsn_mnist_long, what it is)
 ARMS = {
     "refinenet": ("model.arch=refinenet", "RefineNet (no DEQ)"),
@@ -71,6 +72,13 @@ ARMS = {
                       "mdeq_gn, phantom K = 1, Anderson cap 12, Jacobian penalty gamma 1"),
     "deq_gn_k1_jr": (f"{DEQ_GN_PH.replace('phantom_steps=3', 'phantom_steps=1')} deq.jacobian_penalty=1",
                      "deq_gn, phantom K = 1, Anderson cap 12, Jacobian penalty gamma 1"),
+    # fixed-point correction (Bai et al. 2022; TorchDEQ's n_states = 2, gamma = 0.8): the search plan's C1 and C2
+    "mdeq_res_fpc": (f"{MDEQ_RES_15} {FPC}", "mdeq_res_l15 + fixed-point correction, 2 states, gamma 0.8"),
+    # C1 with the solve's budget as the cap: at max_iter 128 both states sit past a 7-iteration solve (its fixed point)
+    "mdeq_res_fpc_cap10": (f"{MDEQ_RES_15} deq.max_iter=10 {FPC}",
+                           "mdeq_res_fpc with deq.max_iter=10 (states after 5 and 10 evaluations)"),
+    "mdeq_gn_fpc_jr": (f"{MDEQ_GN_PH.replace('phantom_steps=3', 'phantom_steps=1')} deq.jacobian_penalty=1 {FPC}",
+                       "mdeq_gn_k1_jr + fixed-point correction, 2 states, gamma 0.8"),
 }
 MB = 2**20
 
@@ -127,6 +135,11 @@ def _f(v, digits=2):
     return "–" if v is None else f"{v:.{digits}f}"
 
 
+def _cpu_range(res: dict) -> str:
+    shares = [r["cpu_over_wall"] for r in res.get("arms", {}).values() if r.get("cpu_over_wall") is not None]
+    return f"{min(shares):.2f}-{max(shares):.2f}" if shares else "not recorded"
+
+
 def render(res: dict) -> str:
     meta = res.get("meta", {})
     studies = list(dict.fromkeys(r.get("study_command", meta.get("command", "")) for r in res.get("arms", {}).values()))
@@ -139,8 +152,8 @@ def render(res: dict) -> str:
              "measured TwoRes at 0.40-0.45 s and RefineNet at 0.71 s per step); read the ratio to the TwoRes run "
              "beside it. Saved bytes do not depend on the load. Iterations: forward solves, mean over the steps "
              "(max); cap hits: forward solves that reached `deq.max_iter` unconverged; adjoint: the implicit "
-             "backward's adjoint solves, mean iterations. Each run's CPU over wall time was 0.3-0.4: its process "
-             "held a third of a core."), "",
+             f"backward's adjoint solves, mean iterations. Each run's CPU over wall time was {_cpu_range(res)}: its "
+             "process held a fraction of a core."), "",
              ("| design | s / step | TwoRes beside it | time × TwoRes | saved MB | × TwoRes | params | iterations "
               "(max) | cap hits | adjoint iterations |"), "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, r in res.get("arms", {}).items():

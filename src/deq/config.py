@@ -130,8 +130,11 @@ class DEQConfig:
         if int(self.correction_states) > 0 and self.one_pass:
             raise ValueError("deq.correction_states does not apply with deq.one_pass=true (no solve, no trajectory): "
                              "drop one of them")
+        # the weight-norm keys the user set (before the defaults fill them): a block with no weight norm refuses them
+        self.norm_given = tuple(f"deq.{k}={getattr(self, k)}" for k in ("norm", "norm_lambda")
+                                if getattr(self, k) is not None)
         if self.block == "normalized_residual":
-            given = [f"deq.{k}={getattr(self, k)}" for k in ("norm", "norm_lambda") if getattr(self, k) is not None]
+            given = self.norm_given
             if given:
                 raise ValueError(
                     f"{' '.join(given)} does not apply to deq.block=normalized_residual (it divides its ResBlock by "
@@ -216,7 +219,7 @@ def deq_setting(deq: Any, family: str | None = None, loss: str | None = None,
         return None
     if isinstance(deq, DEQConfig):
         check_block(family, deq.block)
-        return check_loss(deq, loss)
+        return check_correction(family, check_loss(deq, loss))
     if not isinstance(deq, Mapping):
         raise ValueError(f"deq={deq!r}: give the deq config group (deq=true or deq=false, then deq.<key>=<value>)")  # noqa: TRY004
     keys = {k: deq[k] for k in deq if k != "enabled"}  # plain values (a DictConfig resolves interpolations here)
@@ -226,7 +229,19 @@ def deq_setting(deq: Any, family: str | None = None, loss: str | None = None,
                              "by one explicit pass, and deq=false has no DEQ; drop deq.one_pass or use deq=true")
         return None
     check_block(family, keys.get("block"))  # before the other keys: their messages assume the block is possible
-    return check_loss(DEQConfig(**keys), loss)
+    return check_correction(family, check_loss(DEQConfig(**keys), loss))
+
+
+CORRECTION_FAMILIES = ("ncsn",)  # the families whose training step reads the loss from each correction state
+
+
+def check_correction(family: str | None, config: DEQConfig) -> DEQConfig:
+    """Refuse ``deq.correction_states`` > 0 for a family whose training step does not use the states (one line);
+    ``config`` otherwise (nothing is refused when ``family`` is None)."""
+    if family is not None and int(config.correction_states) > 0 and family not in CORRECTION_FAMILIES:
+        raise ValueError(f"deq.correction_states={config.correction_states}: fixed-point correction is trained by "
+                         f"model={', '.join(CORRECTION_FAMILIES)} only, not model={family}; drop it (or set 0)")
+    return config
 
 
 def check_block(family: str | None, block: str | None) -> None:

@@ -16,7 +16,8 @@ multiscale fusion. Two cells (``cell``):
 
 - ``resblock`` — NCSN's DEQ-ResBlock branch per resolution (paper App. D.4):
   c_i = conv(s ⊙ σ(conv(z_i, K₁) + β), K₂) + g_i, with the noise level i as (β, s) rows ``[B, c]`` and every
-  kernel weight-normalised by ``deq.norm`` (Frobenius with the √(k·k) factor, or spectral). A 1×1 kernel
+  kernel weight-normalised by the ``deq.norm`` strategy of the registry (:func:`src.deq.normalization.make_norm`,
+  kind ``conv``: Frobenius with the √(k·k) factor, or spectral with one ``sn_u_<kernel>`` buffer per kernel). A 1×1 kernel
   before an up-sampling by 2^k is divided by 2^k more (nearest up-sampling has ℓ₂ norm 2^k). Then each cell
   is Lipschitz ≤ 2/λ², each fusion term ≤ 1/λ, and with n = 2 branches the map contracts at ≤ (1 + 1/λ)·2/λ²
   (0.75 at λ = 2): a contraction by construction; no post-fusion layer.
@@ -25,7 +26,8 @@ multiscale fusion. Two cells (``cell``):
   noise level inside the cell: a row per level under ``cond_norm``, one shared row under σ-scaling), then a
   group norm after the fusion sum (post_i; MDEQ's post-fusion ReLU → 1×1 conv → GN without its conv). The
   kernels are not weight-normalised (MDEQ's weight norm is a reparametrisation, not a bound, and the norms
-  after each convolution cancel a kernel's scale): nothing bounds the rate. Convergence is measured
+  after each convolution cancel a kernel's scale; ``deq.norm`` / ``deq.norm_lambda`` are refused): nothing bounds
+  the rate. Convergence is measured
   (``last_stats``: iterations, ``hit_cap``), as for the ``normalized_residual`` block.
 
 With one resolution (``channels`` of length 1) the block is a single-resolution DEQ with that cell: NCSN's
@@ -49,14 +51,13 @@ from torch import nn
 
 from src.deq.block import DEQBlock
 from src.deq.config import DEQConfig
-from src.deq.normalization import conv_lipschitz_factor, conv_spectral_normalize, frobenius_normalize
+from src.deq.normalization import make_norm
 
 __all__ = ["CELLS", "MultiscaleDEQBlock", "MultiscaleMap", "branch_sizes", "group_norm", "pack", "unpack"]
 
 CELLS = ("resblock", "mdeq_gn")
 _ACTS = {"elu": F.elu, "relu": F.relu, "softplus": F.softplus}
 CELL_ACTIVATIONS = tuple(_ACTS)
-SPECTRAL_PROBE = 16  # the probe grid of conv_spectral_normalize (as src.deq.block's convolutional blocks)
 
 
 # ------------------------------------------------------------------------------------------ packing
@@ -199,9 +200,12 @@ class MultiscaleDEQBlock(DEQBlock):
         if self.config.block is not None:
             raise ValueError(f"deq.block={self.config.block} is another block's map; the multi-resolution / "
                              f"model.cell={cell} block builds its own: add deq.block=null")
-        if cell == "resblock" and self.config.norm not in ("frobenius", "spectral"):
-            raise ValueError(f"deq.norm={self.config.norm!r}: the resblock cell needs frobenius or spectral "
-                             "(nothing else bounds its kernels)")
+        if cell == "mdeq_gn" and self.config.norm_given:
+            raise ValueError(f"{' '.join(self.config.norm_given)} does not apply to model.cell=mdeq_gn (its kernels "
+                             "are not weight-normalised: the group norms after them cancel their scale): drop it")
+        # the resblock cell's kernels: the deq.norm strategy of the registry (src.deq.normalization), kind conv
+        self.normalizer = (make_norm(self.config.norm, "conv", self.config.norm_lambda, lipschitz_safe=True)
+                           if cell == "resblock" else None)
         self.cell, self.groups, self.activation = cell, int(groups), activation
         self.in_channels, self.kernel_size, self.n_classes = int(in_channels), int(kernel_size), n_classes
         k, n = self.kernel_size, len(self.channels)
@@ -230,13 +234,9 @@ class MultiscaleDEQBlock(DEQBlock):
                 nn.init.zeros_(e.weight)
         self.post_rows = (nn.ParameterList(nn.Parameter(torch.tensor([1., 0.])[:, None].repeat(1, c))
                                            for c in self.channels) if cell == "mdeq_gn" and n > 1 else None)
-        if cell == "resblock" and self.config.norm == "spectral":
+        if self.normalizer is not None:
             for name_, kernel in self.kernels.items():
-                u = torch.randn(1, kernel.shape[1], SPECTRAL_PROBE, SPECTRAL_PROBE)
-                u /= u.norm()
-                self.register_buffer(f"sn_u_{name_}", u)
-                with torch.no_grad():
-                    conv_spectral_normalize(kernel.detach(), u, self.config.norm_lambda, n_power_iterations=30)
+                self.normalizer.setup(self, f"sn_u_{name_}", kernel)  # spectral: the buffers sn_u_b0_k1, …
         self._maps: dict[tuple[int, int], MultiscaleMap] = {}
         self.phi = self._map_for((8, 8))  # replaced by the input's size in map_params
 
@@ -267,12 +267,7 @@ class MultiscaleDEQBlock(DEQBlock):
         kernel = self.kernels[name]
         if self.cell != "resblock":
             return kernel
-        lam = self.config.norm_lambda
-        if self.config.norm == "spectral":
-            w = conv_spectral_normalize(kernel, getattr(self, f"sn_u_{name}"), lam,
-                                        update=self.training and torch.is_grad_enabled())
-        else:
-            w = frobenius_normalize(kernel, lam, scale=conv_lipschitz_factor(kernel))
+        w = self.normalizer(self, f"sn_u_{name}", kernel)
         if name.startswith("f"):  # a 1×1 kernel before nearest up-sampling by 2^(j − i): ℓ₂ norm 2^(j − i)
             i, j = (int(s) for s in name[1:].split("_")[:2])
             if j > i:

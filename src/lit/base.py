@@ -29,11 +29,12 @@ import torch
 from src.config.values import plain
 from src.data.contract import ScoreDataModule, require_contract
 from src.deq.config import DEQConfig, deq_setting
+from src.deq.core import correction_weights
 from src.lit.deq_monitor import DEQMonitorMixin
 from src.lit.optimizers import OptimizersMixin, optimizer_arguments
 from src.lit.resume import ResumeHooksMixin
 from src.metrics.registry import build_metrics
-from src.objectives.base import ObjectiveOutput
+from src.objectives.base import ObjectiveOutput, weighted_states_loss
 from src.objectives.registry import objective_from_config
 
 
@@ -229,6 +230,10 @@ class ScoreMatchingModule(DeqsmModule):
         return self.objective(self.net, x)
 
     def training_step(self, batch, batch_idx):
+        """The objective's loss (``train/loss``) plus the DEQ's Jacobian penalty; when the objective returns the
+        fixed-point correction states' outputs (``out.states``), the loss trained is their weighted sum
+        Σ_i γ^(n−i) ℓ_i (Bai et al. 2022, §3.3; :func:`src.deq.core.correction_weights`), logged as
+        ``train/correction_loss``, while ``train/loss`` stays the fixed point's."""
         x = batch_tensor(batch)
         with self.deq_forwards() as infos:
             out = self.training_objective(x)
@@ -236,4 +241,9 @@ class ScoreMatchingModule(DeqsmModule):
         self.log("train/loss", out.loss, prog_bar=True, on_step=True, on_epoch=True, batch_size=x.shape[0])
         for name, value in out.parts.items():
             self.log(f"train/{name}", value, on_step=False, on_epoch=True, batch_size=x.shape[0])
-        return self.with_deq_penalty(out.loss, x.shape[0], infos)
+        loss = out.loss
+        if out.states is not None:
+            loss = weighted_states_loss(out.states, correction_weights(len(out.states), self.deq.correction_gamma))
+            self.check_finite(loss, f"training (fixed-point correction, loss={self.loss_name})")
+            self.log("train/correction_loss", loss, on_step=True, on_epoch=True, batch_size=x.shape[0])
+        return self.with_deq_penalty(loss, x.shape[0], infos)

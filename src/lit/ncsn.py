@@ -16,6 +16,7 @@ annealed Langevin dynamics (:mod:`src.sampling.annealed_langevin`) from uniform 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -24,7 +25,7 @@ from src.config.values import plain
 from src.deq.lookup import blocks_of
 from src.lit.base import ScoreMatchingModule, batch_tensor
 from src.models.ncsn import DEQ_ARCHS, NCSN, geometric_sigmas
-from src.objectives.conditional import noise_conditional
+from src.objectives.conditional import LabelConditioned, noise_conditional
 from src.objectives.registry import get_objective
 from src.runtime import progress
 from src.runtime.rng import seeded_rng
@@ -107,8 +108,12 @@ class NCSNLitModule(ScoreMatchingModule):
     # ------------------------------------------------------------------ training and validation
     def training_objective(self, x: torch.Tensor):
         """The configured objective in its noise-conditional form (σᵢ^anneal_power-weighted, a level per sample);
-        :meth:`ScoreMatchingModule.training_step` logs and returns it."""
-        return noise_conditional(self.objective, self.net, x, self.net.sigmas, anneal_power=self.anneal_power)
+        :meth:`ScoreMatchingModule.training_step` logs and returns it. With ``deq.correction_states`` = n > 0 the
+        objective is applied to each of the n scores of :meth:`src.models.ncsn.NCSN.scores_along_solve` (one
+        forward, the same levels, noise and projections) and the step trains their weighted sum."""
+        states = self.deq is not None and int(self.deq.correction_states) > 0  # fixed-point correction
+        return noise_conditional(self.objective, self.net, x, self.net.sigmas, anneal_power=self.anneal_power,
+                                 condition=functools.partial(LabelConditioned, states=True) if states else None)
 
     def validation_step(self, batch, batch_idx):
         super().validation_step(batch, batch_idx)

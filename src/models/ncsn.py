@@ -270,8 +270,11 @@ class DEQResBlock(nn.Module):
             self.block = ConditionalResidualDEQBlock(channels, channels, num_classes, 3, config=config, name=name)
 
     def forward(self, y, labels):
-        z = self.block(y, labels)
-        return z.reshape(y.shape) if isinstance(self.block, MultiscaleDEQBlock) else z  # one resolution: unpacked
+        return self.shaped(self.block(y, labels), y)
+
+    def shaped(self, z, y):
+        """The block's state ``z`` (of input ``y``) as a feature map: the packed one-resolution state unpacked."""
+        return z.reshape(y.shape) if isinstance(self.block, MultiscaleDEQBlock) else z
 
 
 class NCSN(nn.Module):
@@ -366,17 +369,46 @@ class NCSN(nn.Module):
         elif self.arch == "mdeq":
             r = self.trunk(h, labels)
         else:
-            h = self.res_out(self.middle(self.res_in(h, labels), labels), labels)
-            l1 = h
-            for block in self.down:
-                h = block(h, labels)
-            r = self.refine[0]([h], labels, h.shape[2:])
-            r = self.refine[1]([l1, r], labels, l1.shape[2:])
+            r = self._after_middle(self.middle(self.res_in(h, labels), labels), labels)
         return self.end(self.end_norm(r, labels, act=True))
 
+    def _after_middle(self, h: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """``arch=deq``: the layers after the DEQ-ResBlock (or its explicit stack), up to the end norm."""
+        h = self.res_out(h, labels)
+        l1 = h
+        for block in self.down:
+            h = block(h, labels)
+        r = self.refine[0]([h], labels, h.shape[2:])
+        return self.refine[1]([l1, r], labels, l1.shape[2:])
+
+    def _scaled(self, features: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        sigma = self.sigmas.to(features.dtype)[labels].reshape(-1, *([1] * (features.dim() - 1)))
+        return features / sigma
+
     def forward(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        sigma = self.sigmas.to(x.dtype)[labels].reshape(-1, *([1] * (x.dim() - 1)))
-        return self.features(x, labels) / sigma
+        return self._scaled(self.features(x, labels), labels)
+
+    def scores_along_solve(self, x: torch.Tensor, labels: torch.Tensor) -> list[torch.Tensor]:
+        """The scores read out from the DEQ block's fixed-point correction states (Bai et al. 2022, §3.3;
+        ``deq.correction_states`` = n): one forward of the layers before the block and one solve, then each of the
+        n states (``block.last_info.states``, the last the fixed point) through the same layers after the block
+        as the fixed point, each divided by σ_i. The last entry is exactly ``self(x, labels)``. A forward that
+        returns no states (evaluation, gradients off, correction off) gives ``[self(x, labels)]``."""
+        block = self.deq_block()
+        if block is None:
+            return [self(x, labels)]
+        h = self.begin(2 * x - 1 if self.centered_input else x)
+        if self.arch == "mdeq":
+            y = self.trunk.res_in(h, labels)
+            z = self.trunk.block(y, labels)
+            states = block.last_info.states or [z]
+            outs = [self.trunk.readout(s, y, labels) for s in states]
+        else:
+            y = self.res_in(h, labels)
+            z = self.middle(y, labels)
+            states = [self.middle.shaped(s, y) for s in block.last_info.states] if block.last_info.states else [z]
+            outs = [self._after_middle(s, labels) for s in states]
+        return [self._scaled(self.end(self.end_norm(r, labels, act=True)), labels) for r in outs]
 
     def score(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return self(x, labels)

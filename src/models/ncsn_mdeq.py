@@ -44,7 +44,10 @@ class MultiscaleTrunk(nn.Module):
         """The DEQ block's input y (for contraction rates and the recurrence share)."""
         return self.res_in(h, labels)
 
+    def readout(self, z, y, labels):
+        """The packed equilibrium state ``z`` (of block input ``y``) fused by the RefineBlock: the features."""
+        return self.refine(self.block.branches(z, y), labels, y.shape[2:])
+
     def forward(self, h, labels):
         y = self.res_in(h, labels)
-        z = self.block(y, labels)
-        return self.refine(self.block.branches(z, y), labels, y.shape[2:])
+        return self.readout(self.block(y, labels), y, labels)

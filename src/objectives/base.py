@@ -41,11 +41,15 @@ class ObjectiveOutput:
         loss: scalar, the mean over the batch of ``per_sample``.
         per_sample: ``[B]`` per-sample loss.
         parts: named scalar parts (batch means), e.g. ``{"score_norm": mean ½‖s‖², "trace": mean tr ∇ₓs}``.
+        states: None, or — when the model offers ``score_states(x)`` (the scores read out from a DEQ's
+            fixed-point correction states, :func:`compute_score_states`) — one output per state, each the same
+            objective with the same noise and projections; the last is this output itself.
     """
 
     loss: Tensor
     per_sample: Tensor
     parts: dict[str, Tensor] = field(default_factory=dict)
+    states: list | None = None
 
 
 # ----------------------------------------------------------------------------------------------- checks
@@ -166,6 +170,28 @@ def compute_score(model, x: Tensor, create_graph: bool = True) -> Tensor:
     if s.shape != x.shape:
         raise ValueError(f"score must have the shape of x {tuple(x.shape)}, got {tuple(s.shape)}")
     return s
+
+
+def compute_score_states(model, x: Tensor) -> list[Tensor] | None:
+    """The scores along a DEQ's solve, ``model.score_states(x)`` (one per fixed-point correction state, all from
+    one forward of ``x``, the last the model's score), checked to have the shape of x; None when the model does
+    not offer them (every objective then computes the one score, :func:`compute_score`)."""
+    if not callable(getattr(model, "score_states", None)):
+        return None
+    with record_function(PHASE_SCORE):
+        scores = list(model.score_states(x))
+    if not scores or any(s.shape != x.shape for s in scores):
+        raise ValueError(f"score_states must return one or more scores of the shape of x {tuple(x.shape)}, got "
+                         f"{[tuple(s.shape) for s in scores]}")
+    return scores
+
+
+def weighted_states_loss(states: list, weights) -> Tensor:
+    """Σ_i w_i ℓ_i over the outputs of an objective's states (``ObjectiveOutput.states``): the fixed-point
+    correction loss of Bai et al. (2022, §3.3) with w_i = γ^(n−i) (``src.deq.core.correction_weights``)."""
+    if len(states) != len(weights):
+        raise ValueError(f"{len(states)} state outputs but {len(weights)} weights")
+    return torch.stack([float(w) * o.loss for w, o in zip(weights, states)]).sum()
 
 
 def draw_projections(

@@ -27,9 +27,13 @@ from .dsm import dsm
 
 
 class LabelConditioned:
-    """A model-like view of ``model`` with its noise-level labels bound."""
+    """A model-like view of ``model`` with its noise-level labels bound.
 
-    def __init__(self, model, labels: Tensor):
+    ``states=True``: the view also offers ``score_states(x)`` = ``model.scores_along_solve(x, labels)`` (the scores
+    read out from a DEQ's fixed-point correction states), so the objective is applied per state
+    (:func:`~src.objectives.base.compute_score_states`)."""
+
+    def __init__(self, model, labels: Tensor, states: bool = False):
         self.model = model
         self.labels = labels
         self.supports_torch_func = bool(getattr(model, "supports_torch_func", False))
@@ -37,6 +41,14 @@ class LabelConditioned:
             self.score = self._score
         if has_log_density(model):
             self.log_density = self._log_density
+        if states:
+            if not callable(getattr(model, "scores_along_solve", None)):
+                raise TypeError(f"{type(model).__name__} has no scores_along_solve(x, labels): it cannot give the "
+                                "scores of fixed-point correction states")
+            self.score_states = self._score_states
+
+    def _score_states(self, x: Tensor) -> list:
+        return self.model.scores_along_solve(x, self._aligned(x.shape[0]))
 
     def _aligned(self, n: int) -> Tensor:
         B = self.labels.shape[0]
@@ -88,7 +100,8 @@ def noise_conditional(
 
     Returns:
         ObjectiveOutput: ``per_sample`` weighted; ``parts`` are the base objective's (unweighted batch
-        means) plus ``unweighted_loss``.
+        means) plus ``unweighted_loss``; ``states`` (each weighted the same way) when the conditioned model
+        offers ``score_states`` (``condition=functools.partial(LabelConditioned, states=True)``).
     """
     sig_all = torch.as_tensor(sigmas, dtype=x.dtype, device=x.device).reshape(-1)
     if sig_all.numel() == 0:
@@ -108,7 +121,13 @@ def noise_conditional(
     else:
         xt = x.detach() + sig.reshape(B, *([1] * (x.dim() - 1))) * eps
         out = objective(cond, xt, create_graph=create_graph, **kw)
-    per_sample = out.per_sample * sig**anneal_power
+    weighted = [_weighted(o, sig**anneal_power) for o in (out.states or [out])]
+    return ObjectiveOutput(weighted[-1].loss, weighted[-1].per_sample, weighted[-1].parts,
+                           states=weighted if out.states is not None else None)
+
+
+def _weighted(out: ObjectiveOutput, weight: Tensor) -> ObjectiveOutput:
+    per_sample = out.per_sample * weight
     parts = dict(out.parts)
     parts["unweighted_loss"] = out.loss
     return ObjectiveOutput(loss=per_sample.mean(), per_sample=per_sample, parts=parts)

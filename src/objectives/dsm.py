@@ -13,7 +13,16 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .base import check_sigma, compute_score, finalize, flat, make_leaf, needs_autograd
+from .base import (
+    ObjectiveOutput,
+    check_sigma,
+    compute_score,
+    compute_score_states,
+    finalize,
+    flat,
+    make_leaf,
+    needs_autograd,
+)
 
 
 @needs_autograd
@@ -37,7 +46,8 @@ def dsm(
         generator: optional ``torch.Generator`` for the draw.
 
     Returns:
-        ObjectiveOutput with part ``score_norm`` (mean ½‖s(x̃)‖²).
+        ObjectiveOutput with part ``score_norm`` (mean ½‖s(x̃)‖²); with ``states`` (one per score) when the
+        model offers ``score_states`` (:func:`~src.objectives.base.compute_score_states`).
     """
     sigma = check_sigma(sigma)
     B = x.shape[0]
@@ -52,7 +62,14 @@ def dsm(
     elif eps.shape != x.shape:
         raise ValueError(f"eps must have the shape of x {tuple(x.shape)}, got {tuple(eps.shape)}")
     xt = make_leaf(x.detach() + sig * eps)
-    s = compute_score(model, xt, create_graph=create_graph)
+    scores = compute_score_states(model, xt)
+    if scores is None:
+        return _dsm_of(compute_score(model, xt, create_graph=create_graph), eps, sig, create_graph)
+    outs = [_dsm_of(s, eps, sig, create_graph) for s in scores]  # the same x̃ (noise) for every state
+    return ObjectiveOutput(outs[-1].loss, outs[-1].per_sample, outs[-1].parts, states=outs)
+
+
+def _dsm_of(s: Tensor, eps: Tensor, sig, create_graph: bool) -> ObjectiveOutput:
     per_sample = 0.5 * (flat(s) + flat(eps / sig)).pow(2).sum(-1)
     score_norm = 0.5 * flat(s).pow(2).sum(-1)
     return finalize(per_sample, {"score_norm": score_norm.mean()}, create_graph)

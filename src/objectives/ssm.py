@@ -9,7 +9,8 @@ n-particle ``sliced_score_matching``, which scales the loss by 1/D) are delibera
 E[vvᵀ] = I both objectives are unbiased estimators of the exact SM loss (eq. 1) in the same units.
 
 Each projection costs one extra reverse pass; ``n_projections`` M > 1 averages M independent projections
-per sample.
+per sample. A model that offers ``score_states`` (a DEQ's fixed-point correction states) gets the objective per
+state, with the same x and projections (``ObjectiveOutput.states``; one more reverse pass per state).
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from torch.profiler import record_function
 
 from .base import (
     PHASE_TRACE,
+    ObjectiveOutput,
     as_projections,
     check_positive_int,
     check_projection,
     compute_score,
+    compute_score_states,
     draw_projections,
     finalize,
     flat,
@@ -34,24 +37,36 @@ from .base import (
 
 
 def _sliced(model, x, n_projections, projection, create_graph, v, generator):
+    """[(s, ½(vᵀs)², vᵀ∇ₓ(vᵀs))] averaged over the projections: one entry for the model's score, or one per score
+    of ``model.score_states`` (the same leaf x and the same projections v for every state)."""
     check_positive_int("n_projections", n_projections)
     check_projection(projection)
     xl = make_leaf(x)
-    s = flat(compute_score(model, xl, create_graph=True))
+    states = compute_score_states(model, xl)
+    scores = [flat(s) for s in states] if states is not None else [flat(compute_score(model, xl, create_graph=True))]
     v = (
-        draw_projections(n_projections, s, projection, generator)
+        draw_projections(n_projections, scores[-1], projection, generator)
         if v is None
         else as_projections(v, n_projections, x)
     )
-    proj_sq = torch.zeros(s.shape[0], dtype=s.dtype, device=s.device)
-    quad = torch.zeros_like(proj_sq)
-    with record_function(PHASE_TRACE):
-        for m in range(n_projections):
-            vs = (s * v[m]).sum(-1)  # vᵀs, [B]
-            g = flat(grad_wrt(vs.sum(), xl, create_graph=create_graph))  # ∇ₓ(vᵀs)
-            proj_sq = proj_sq + 0.5 * vs**2
-            quad = quad + (g * v[m]).sum(-1)  # vᵀ ∇ₓ(vᵀs) = vᵀ (∇ₓ s) v
-    return s, proj_sq / n_projections, quad / n_projections
+    out = []
+    for s in scores:
+        proj_sq = torch.zeros(s.shape[0], dtype=s.dtype, device=s.device)
+        quad = torch.zeros_like(proj_sq)
+        with record_function(PHASE_TRACE):
+            for m in range(n_projections):
+                vs = (s * v[m]).sum(-1)  # vᵀs, [B]
+                g = flat(grad_wrt(vs.sum(), xl, create_graph=create_graph))  # ∇ₓ(vᵀs)
+                proj_sq = proj_sq + 0.5 * vs**2
+                quad = quad + (g * v[m]).sum(-1)  # vᵀ ∇ₓ(vᵀs) = vᵀ (∇ₓ s) v
+        out.append((s, proj_sq / n_projections, quad / n_projections))
+    return out, states is not None
+
+
+def _with_states(outs: list, along: bool) -> ObjectiveOutput:
+    """The last output, carrying every state's output when the scores came from ``score_states``."""
+    last = outs[-1]
+    return ObjectiveOutput(last.loss, last.per_sample, last.parts, states=outs) if along else last
 
 
 @needs_autograd
@@ -76,8 +91,9 @@ def ssm(
     Returns:
         ObjectiveOutput with parts ``proj_score_norm`` (mean ½(vᵀs)²) and ``trace`` (mean vᵀ∇ₓs v).
     """
-    _, proj_sq, quad = _sliced(model, x, n_projections, projection, create_graph, v, generator)
-    return finalize(proj_sq + quad, {"proj_score_norm": proj_sq.mean(), "trace": quad.mean()}, create_graph)
+    outs, along = _sliced(model, x, n_projections, projection, create_graph, v, generator)
+    return _with_states([finalize(proj_sq + quad, {"proj_score_norm": proj_sq.mean(), "trace": quad.mean()},
+                                  create_graph) for _, proj_sq, quad in outs], along)
 
 
 @needs_autograd
@@ -99,6 +115,7 @@ def ssm_vr(
     Returns:
         ObjectiveOutput with parts ``score_norm`` (mean ½‖s‖²) and ``trace`` (mean vᵀ∇ₓs v).
     """
-    s, _, quad = _sliced(model, x, n_projections, projection, create_graph, v, generator)
-    score_norm = 0.5 * (s**2).sum(-1)
-    return finalize(score_norm + quad, {"score_norm": score_norm.mean(), "trace": quad.mean()}, create_graph)
+    outs, along = _sliced(model, x, n_projections, projection, create_graph, v, generator)
+    return _with_states([finalize(0.5 * (s**2).sum(-1) + quad, {"score_norm": 0.5 * (s**2).sum(-1).mean(),
+                                                                 "trace": quad.mean()}, create_graph)
+                         for s, _, quad in outs], along)
