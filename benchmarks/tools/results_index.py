@@ -31,6 +31,7 @@ CURVES = re.compile(r"(vae|ncsn)_mnist_curves")
 # the tool or study whose --render rebuilds each result's table from its JSON (besides the training curves,
 # :data:`CURVES`: ``benchmarks.tools.training_curves <grid> --render --name <stem>``)
 REBUILT_BY = {
+    "solvers_vs_torchdeq": "benchmarks.studies.solvers_vs_torchdeq --render",
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_table3": "benchmarks.tools.run_grid dkef --render --name dkef_table3",
     "dkef_paper_protocol": "benchmarks.tools.dkef_paper_protocol --render",
