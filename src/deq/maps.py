@@ -29,7 +29,7 @@ def _dense_linearize(z, inj, w1, *rest):
     """(v ↦ J v, a ↦ Jᵀ a), J = ∂φ/∂z of :func:`dense_map` at ``z``, written out (no autograd): with σ'ᵢ the
     sigmoid of layer i's pre-activation, J v = σ'_L ⊙ (W_L … σ'_1 ⊙ (W_1 v)) and Jᵀ a = W_1ᵀ(σ'_1 ⊙ … W_Lᵀ(σ'_L ⊙ a)).
     The implicit backward's adjoint solves take one per iteration (src.deq.implicit) instead of a VJP on a graph
-    of φ built for them (float64 tests against autograd: tests/test_deq_maps.py)."""
+    of φ built for them (float64 tests against autograd: tests/test_deq_implicit.py)."""
     with torch.no_grad():
         pre = z @ w1.T + inj
         slopes, weights = [torch.sigmoid(pre)], [w1] + [rest[i] for i in range(0, len(rest), 2)]
