@@ -177,6 +177,7 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="deqsm_dkef_cost_") as tmp:
         trees = {}
         for rev in revs:
+            (Path(tmp) / rev).mkdir()
             trees[rev] = snapshot(rev, Path(tmp) / rev)
         parts = {(s, rev): [] for s in settings for rev in revs}
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
