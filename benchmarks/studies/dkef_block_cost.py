@@ -135,20 +135,22 @@ def render(res: dict) -> str:
              f"Command: `{meta['command']}`", "",
              (f"Machine: {meta['machine']}; load average at the start {meta['load_average']} (a shared, loaded "
              f"machine: figures are minimums over {meta['rounds']} interleaved steps per worker × {meta['repeats']} "
-             "workers per revision, the revisions' workers alternating; medians show the noise). Bounds "
+             "workers per revision, the revisions' workers alternating; a ratio pairs an arm with the 3-layer net of "
+             "its own worker; medians show the noise). Bounds "
              f"(issue 60): bytes ≤ {BOUNDS['bytes']}×, time ≤ {BOUNDS['time']}× the 3-layer net's."), ""]
     for setting, by_rev in res["settings"].items():
         s = SETTINGS[setting]
         lines += [(f"## {setting}: D = {s['dim']}, batch {s['batch']}, record K = {s['record_k']} "
                   f"({next(iter(by_rev.values()))['source']})"), "",
-                  ("| revision | arm | saved MB | × 3-layer | min ms | × 3-layer (min; per worker) | median ms | "
-                  "× 3-layer (median; per worker) |"), "|---|---|---:|---:|---:|---|---:|---|"]
+                  ("| revision | arm | saved MB | × 3-layer | min ms | × 3-layer: median over workers of the min ratio "
+                  "(per worker) | median ms | × 3-layer: of the median ratio (per worker) |"), "|---|---|---:|---:|---:|---|---:|---|"]
         for rev, entry in by_rev.items():
             for arm, v in entry["arms"].items():
                 per = ", ".join(f"{x:.2f}" for x in v["time_ratios"])
                 per_med = ", ".join(f"{x:.2f}" for x in v["median_ratios"])
                 lines.append(f"| {rev} | {arm} | {v['saved_mb']:.3f} | {v['bytes_ratio']:.3f} | {v['min_ms']:.1f} | "
-                             f"{v['time_ratio']:.2f} ({per}) | {v['median_ms']:.1f} | {per_med} |")
+                             f"{statistics.median(v['time_ratios']):.2f} ({per}) | {v['median_ms']:.1f} | "
+                             f"{statistics.median(v['median_ratios']):.2f} ({per_med}) |")
         lines.append("")
     if meta.get("note"):
         lines += [meta["note"].rstrip(), ""]

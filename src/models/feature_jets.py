@@ -35,8 +35,8 @@ from torch import nn
 from torch.profiler import record_function
 
 from src.deq.core import equilibrium, solve_only
-from src.deq.solvers import solve
 from src.deq.maps import dense_map
+from src.deq.solvers import solve
 from src.models.deq_net import DEQNet
 from src.models.features import MLPFeatures
 
