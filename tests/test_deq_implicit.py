@@ -187,3 +187,19 @@ def saved_bytes_of_sm_step(max_iter):
 def test_implicit_memory_does_not_grow_with_solver_iterations():
     small, large = saved_bytes_of_sm_step(10), saved_bytes_of_sm_step(100)
     assert abs(large - small) / small < 0.05, (small, large)
+
+
+@pytest.mark.parametrize("layers", [1, 3])
+def test_dense_map_products_are_its_jacobian(layers):
+    """dense_map.linearize's hand-written J v and Jᵀ a (the adjoint solves' products) against autograd (float64)."""
+    g = torch.Generator().manual_seed(0)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    z, inj = r(4, 6), r(4, 6)
+    params = [0.5 * r(6, 6)]
+    for _ in range(layers - 1):
+        params += [0.5 * r(6, 6), r(6)]
+    jac = torch.autograd.functional.jacobian(lambda u: dense_map(u, inj, *params), z).reshape(24, 24)
+    jvp, vjp = dense_map.linearize(z, inj, *params)
+    v, a = r(4, 6), r(4, 6)
+    torch.testing.assert_close(jvp(v).reshape(-1), jac @ v.reshape(-1), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(vjp(a).reshape(-1), jac.T @ a.reshape(-1), rtol=1e-12, atol=1e-12)

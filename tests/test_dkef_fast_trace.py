@@ -129,3 +129,41 @@ def test_training_step_with_both_halves_in_one_pass_is_the_two_call_step(case):
     for name, p in module.named_parameters():
         if p.grad is not None:
             assert close(g_fused[name], p.grad), name
+
+
+def _jet_map_inputs(shared: bool, n: int = 4, d: int = 3, w: int = 5):
+    g = torch.Generator().manual_seed(1)
+    r = lambda *s: torch.randn(*s, generator=g, dtype=torch.float64)
+    state = r(n, d + 2, w)
+    j_inj = r(d, w) if shared else r(n, d, w)
+    return state, (r(n, w), j_inj, r(n, w), 0.4 * r(w, w))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_jet_map_products_are_its_jacobian(shared):
+    """JetMap.linearize's hand-written J v and Jᵀ a against the autograd Jacobian of the jet map (float64)."""
+    from src.models.feature_jets import JetMap
+
+    state, params = _jet_map_inputs(shared)
+    jet_map = JetMap()
+    jac = torch.autograd.functional.jacobian(lambda s: jet_map(s, *params), state)  # [N, D+2, W, N, D+2, W]
+    jac = jac.reshape(state.numel(), state.numel())
+    jvp, vjp = jet_map.linearize(state, *params)
+    v, a = torch.randn_like(state), torch.randn_like(state)
+    assert close(jvp(v).reshape(-1), jac @ v.reshape(-1), rtol=1e-12)
+    assert close(vjp(a).reshape(-1), jac.T @ a.reshape(-1), rtol=1e-12)
+    assert JetMap(2).linearize is None  # several layers: the generic autograd products
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_direct_jet_fixed_point_is_the_jet_maps_fixed_point(shared):
+    """jet_fixed_point (the linear jet equations iterated at z*) against 400 Picard steps of the whole jet map."""
+    from src.models.feature_jets import JetMap, jet_fixed_point
+
+    state, (inj, j_inj, l_inj, w1) = _jet_map_inputs(shared)
+    jet_map, s = JetMap(), torch.zeros_like(state)
+    for _ in range(400):  # contraction ≤ 0.4 ‖W‖-scaled: converged to machine precision
+        s = jet_map(s, inj, j_inj, l_inj, w1)
+    direct = jet_fixed_point(s[:, 0], (inj, j_inj, l_inj), w1, {"tol": 1e-14, "max_iter": 400, "stop_mode": "abs"})
+    assert close(direct, s, rtol=1e-11)
+    assert float((jet_map(direct, inj, j_inj, l_inj, w1) - direct).abs().max()) < 1e-12

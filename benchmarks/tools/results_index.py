@@ -44,6 +44,7 @@ REBUILT_BY = {
     "ncsn_deq_cost": "benchmarks.studies.ncsn_deq_cost --render",
     "ncsn_mdeq_cost": "benchmarks.studies.ncsn_mdeq_cost --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
+    "dkef_block_cost": "benchmarks.studies.dkef_block_cost --render",
     "faults": "benchmarks.tools.fault_table --render",
     "gpu_suite": "benchmarks.tools.gpu_suite --render",
     "ncsn_langevin_step": "benchmarks.studies.ncsn_langevin_step --render",
@@ -81,6 +82,9 @@ RETIRED = {
 
 # what each result shows, one line (the paper's table or the question it answers)
 SHOWS = {
+    "dkef_block_cost": "DKEF's DEQ blocks (the record, its implicit backward, the paper's) against the 3-layer net, "
+                       "bytes saved and step time interleaved, on the main job and RedWine, before and after the "
+                       "implicit jet route's own products (issue 60's bounds: 1.1x bytes, 1.2x time).",
     "dkef_table3": "Paper Table 3 at its protocol (DKEF on the 100- and 200-d Gaussian, 200 epochs at batch 32, "
                    "early stopping with patience 20): DEQ-SM and SM 16-layer, 3 seeds each, beside the paper and "
                    "the ground-truth log-likelihood.",

@@ -150,6 +150,17 @@ def _prepared(phi: Callable, params: tuple) -> Callable:
     return lambda z: phi(z, *params)
 
 
+def _solved(phi: Callable, solvers: tuple, report: Report | None, level: int, z0: torch.Tensor,
+            params: tuple) -> torch.Tensor:
+    """The no-grad solve of level ``level`` (0: the forward, k ≥ 1: the k-th adjoint) in its profiler span."""
+    label = PHASE_SOLVE if level == 0 else f"{PHASE_IMPLICIT_BACKWARD}.solve.level{level}"
+    with torch.no_grad(), record_function(label):
+        result = solve(_prepared(phi, params), z0, **solvers[min(level, 1)])
+    if report is not None:
+        report(level, result)
+    return result.z
+
+
 class _FixedPoint(torch.autograd.Function):
     """u* = φ(u*; p). Inputs: (φ, solvers, report, level, truncation, z0, *p). Output: u*.
     ``solvers``: ``(forward, adjoint)`` keyword arguments of :func:`solve`, for level 0 and for every adjoint level.
@@ -158,12 +169,7 @@ class _FixedPoint(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, phi, solvers, report, level, truncation, z0, *params):
-        label = PHASE_SOLVE if level == 0 else f"{PHASE_IMPLICIT_BACKWARD}.solve.level{level}"
-        with torch.no_grad(), record_function(label):
-            result = solve(_prepared(phi, params), z0, **solvers[min(level, 1)])
-        if report is not None:
-            report(level, result)
-        u = result.z
+        u = _solved(phi, solvers, report, level, z0, params)
         ctx.phi, ctx.solvers, ctx.report, ctx.level, ctx.truncation = phi, solvers, report, level, truncation
         ctx.save_for_backward(u, *params)  # u as an output: it comes back attached to this node
         return u
@@ -181,6 +187,9 @@ class _FixedPoint(torch.autograd.Function):
                 v = u_bar
                 for _ in range(int(terms) - 1):
                     v = psi(v, u_bar, u, *aliases)
+            elif not create_graph:  # first order only: the adjoint needs no derivative, so no Function saving it
+                v = _solved(_Adjoint(ctx.phi), ctx.solvers, ctx.report, ctx.level + 1, u_bar.detach(),
+                            (u_bar.detach(), u.detach(), *params))
             else:
                 v = _FixedPoint.apply(_Adjoint(ctx.phi), ctx.solvers, ctx.report, ctx.level + 1, ctx.truncation,
                                       u_bar.detach(), u_bar, u, *aliases)

@@ -25,6 +25,34 @@ def dense_map(z, inj, w1, *rest):
     return h
 
 
+def _dense_linearize(z, inj, w1, *rest):
+    """(v ↦ J v, a ↦ Jᵀ a), J = ∂φ/∂z of :func:`dense_map` at ``z``, written out (no autograd): with σ'ᵢ the
+    sigmoid of layer i's pre-activation, J v = σ'_L ⊙ (W_L … σ'_1 ⊙ (W_1 v)) and Jᵀ a = W_1ᵀ(σ'_1 ⊙ … W_Lᵀ(σ'_L ⊙ a)).
+    The implicit backward's adjoint solves take one per iteration (src.deq.implicit) instead of a VJP on a graph
+    of φ built for them (float64 tests against autograd: tests/test_deq_implicit.py)."""
+    with torch.no_grad():
+        pre = z @ w1.T + inj
+        slopes, weights = [torch.sigmoid(pre)], [w1] + [rest[i] for i in range(0, len(rest), 2)]
+        for i in range(0, len(rest), 2):
+            pre = F.softplus(pre) @ rest[i].T + rest[i + 1]
+            slopes.append(torch.sigmoid(pre))
+
+    def jvp(v):
+        for s, w in zip(slopes, weights):
+            v = s * (v @ w.T)
+        return v
+
+    def vjp(a):
+        for s, w in zip(reversed(slopes), reversed(weights)):
+            a = (s * a) @ w
+        return a
+
+    return jvp, vjp
+
+
+dense_map.linearize = _dense_linearize  # read by src.deq.implicit._Adjoint.prepare
+
+
 _ACTIVATIONS = {"softplus": F.softplus, "relu": F.relu, "identity": lambda h: h}
 ACTIVATIONS = tuple(_ACTIVATIONS)
 

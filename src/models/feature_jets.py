@@ -36,6 +36,7 @@ from torch.profiler import record_function
 
 from src.deq.core import equilibrium, solve_only
 from src.deq.maps import dense_map
+from src.deq.solvers import solve
 from src.models.deq_net import DEQNet
 from src.models.features import MLPFeatures
 
@@ -117,7 +118,13 @@ def _dense_map_jet(jet: Jet, inj: Jet, w1: torch.Tensor, rest) -> Jet:
 
 class JetMap:
     """The jet map Φ(s; g, J_g, L_g, W_1, …) on the packed state s = [z | J | L] ``[N, D + 2, W]`` (implicit mode):
-    its fixed point is (z*, ∂z*/∂x, Σ_d ∂²z*/∂x_d²). A plain picklable object, as the maps of src/deq/maps.py."""
+    its fixed point is (z*, ∂z*/∂x, Σ_d ∂²z*/∂x_d²). A plain picklable object, as the maps of src/deq/maps.py.
+    ``layers``: the map's number of layers L; with L = 1 (the record) it offers :meth:`linearize`, its own J and
+    Jᵀ products for the implicit backward's adjoint solves (src.deq.implicit: no autograd graph in them)."""
+
+    def __init__(self, layers: int = 1):
+        if int(layers) != 1:
+            self.linearize = None  # the generic autograd products (src.deq.implicit._Adjoint.prepare)
 
     def __call__(self, state, inj, j_inj, l_inj, w1, *rest):
         z, jz, lz = state[:, 0], state[:, 1:-1], state[:, -1]
@@ -125,6 +132,65 @@ class JetMap:
         if jo.dim() == 2:
             jo = jo.unsqueeze(0).expand(z.shape[0], *jo.shape)
         return torch.cat([out.unsqueeze(1), jo, lo.unsqueeze(1)], dim=1)
+
+    def linearize(self, state, inj, j_inj, l_inj, w1):
+        """(v ↦ Φ' v, a ↦ Φ'ᵀ a), Φ' = ∂Φ/∂s at ``state`` (one layer), written out, no autograd. With
+        p = z W₁ᵀ + g, P_J = J W₁ᵀ + J_g, P_L = L W₁ᵀ + L_g, q = Σ_d P_J,d², σ₁ = sigmoid(p), σ₂ = σ₁(1 − σ₁),
+        σ₃ = σ₂(1 − 2σ₁) and the direction's (dp, dP_J, dP_L) = (dz, dJ, dL) W₁ᵀ:
+
+            dz' = σ₁ dp,   dJ' = σ₂ dp P_J + σ₁ dP_J,   dL' = (σ₂ P_L + σ₃ q) dp + σ₁ dP_L + 2σ₂ Σ_d P_J,d dP_J,d;
+
+        the transpose takes a = (a_z, a_J, a_L) to (b_p, b_J, b_L) W₁ with b_J = σ₁ a_J + 2σ₂ a_L P_J,
+        b_L = σ₁ a_L, b_p = σ₁ a_z + σ₂ Σ_d a_J,d P_J,d + (σ₂ P_L + σ₃ q) a_L. One matmul and a few elementwise
+        ops per product (float64 tests against autograd: tests/test_dkef_fast_trace.py)."""
+        with torch.no_grad():
+            pre = torch.cat([state[:, :1] @ w1.T + inj.unsqueeze(1), state[:, 1:-1] @ w1.T + j_inj,
+                             state[:, -1:] @ w1.T + l_inj.unsqueeze(1)], dim=1)
+            p, pj, pl = pre[:, 0], pre[:, 1:-1], pre[:, -1]
+            s1 = torch.sigmoid(p)
+            s2 = s1 * (1 - s1)
+            c = s2 * pl + s2 * (1 - 2 * s1) * pj.pow(2).sum(1)  # σ₂ P_L + σ₃ q
+            s1b, s2pj = s1.unsqueeze(1), s2.unsqueeze(1) * pj
+
+        def jvp(v):
+            d = v @ w1.T
+            dp, dpj, dpl = d[:, 0], d[:, 1:-1], d[:, -1]
+            dl = c * dp + s1 * dpl + 2 * (s2pj * dpj).sum(1)
+            return torch.cat([(s1 * dp).unsqueeze(1), s2pj * dp.unsqueeze(1) + s1b * dpj, dl.unsqueeze(1)], dim=1)
+
+        def vjp(a):
+            a_z, a_j, a_l = a[:, 0], a[:, 1:-1], a[:, -1]
+            b_p = s1 * a_z + (a_j * s2pj).sum(1) + c * a_l
+            b_j = s1b * a_j + 2 * a_l.unsqueeze(1) * s2pj
+            return torch.cat([b_p.unsqueeze(1), b_j, (s1 * a_l).unsqueeze(1)], dim=1) @ w1
+
+        return jvp, vjp
+
+
+def jet_fixed_point(z_star: torch.Tensor, inj: Jet, w1: torch.Tensor, solver: dict | None = None) -> torch.Tensor:
+    """The one-layer jet map's fixed point [z* | J* | L*] ``[N, D + 2, W]`` from z* (no grad).
+
+    Given z*, the jet's equations are linear (row vectors, S = diag(σ₁), σ₁ = sigmoid(z* W₁ᵀ + g)):
+    J = (J W₁ᵀ + J_g) S and L = (L W₁ᵀ + L_g) S + σ₂ Σ_d P_J,d², P_J = J W₁ᵀ + J_g — the map's Jacobian
+    operator, contracting at its rate. They are iterated with σ₁, σ₂ computed once (one matmul per iteration on
+    the packed [J | L], under ``solver``: keyword arguments of :func:`src.deq.solvers.solve`, the block's), not
+    the whole jet map; a batched LU of the ``[N, W, W]`` matrices costs more on a CPU at these sizes. The implicit
+    core then confirms the fixed point in one evaluation of :class:`JetMap`."""
+    g, j_g, l_g = inj
+    with torch.no_grad():
+        s1 = torch.sigmoid(z_star @ w1.T + g).unsqueeze(1)
+        s2 = s1 * (1 - s1)
+        d = j_g.shape[-2]
+        inj_jl = torch.cat([j_g.expand(z_star.shape[0], *j_g.shape[-2:]), l_g.unsqueeze(1)], dim=1)
+
+        def step(x):  # x = [J | L] [N, D + 1, W]
+            pre = x @ w1.T + inj_jl
+            out = s1 * pre
+            out[:, -1:] += s2 * pre[:, :d].pow(2).sum(1, keepdim=True)
+            return out
+
+        x = solve(step, s1 * inj_jl, **(solver or {})).z
+        return torch.cat([z_star.unsqueeze(1), x], dim=1)
 
 
 def _zeros_like_laplacian(inj: Jet) -> torch.Tensor:
@@ -141,15 +207,22 @@ def _deq_jet(net: DEQNet, x: torch.Tensor) -> Jet:
     cfg = block.config
     # z* alone first (cheap: the deq.solve span), then the jet's steps or fixed point from it
     z_star, info = solve_only(dense_map, z0, params, cfg, warn=block.warn)
+    z_info = info
     if cfg.backward == "implicit":  # the jet's fixed point from (z*, 0, 0)
         n, d, w = x.shape[0], x.shape[1], z_star.shape[1]
-        state0 = torch.zeros(n, d + 2, w, dtype=z_star.dtype, device=z_star.device)
-        state0[:, 0] = z_star
         l_inj = _zeros_like_laplacian(inj)
         with record_function(PHASE_JET_STEPS):
-            state, info = equilibrium(JetMap(), state0, (inj[0], inj[1], l_inj, w1, *rest), cfg, correction=False,
-                                      warn=block.warn)
+            if rest:  # several layers in the map: the jet map's own fixed-point iteration from (z*, 0, 0)
+                state0 = torch.zeros(n, d + 2, w, dtype=z_star.dtype, device=z_star.device)
+                state0[:, 0] = z_star
+            else:  # one layer: the jet's linear equations iterated at z*; the core's solve confirms it
+                state0 = jet_fixed_point(z_star, (inj[0].detach(), inj[1].detach(), l_inj.detach()), w1.detach(),
+                                         cfg.solver_kwargs())
+            state, info = equilibrium(JetMap(1 + len(rest) // 2), state0, (inj[0], inj[1], l_inj, w1, *rest), cfg,
+                                      correction=False, warn=block.warn)
         z, jz, lz = state[:, 0], state[:, 1:-1], state[:, -1]
+        info.iterations, info.residual, info.converged, info.hit_cap, info.z_star = (  # the block's solve: z*'s
+            z_info.iterations, z_info.residual, z_info.converged, z_info.hit_cap, z_info.z_star)
     else:
         z, jz, lz = z_star, None, None
         with record_function(PHASE_JET_STEPS):
