@@ -11,7 +11,8 @@ import torch
 
 from src.deq.block import ConditionalResidualDEQBlock
 from src.deq.config import DEQConfig, deq_setting
-from src.models.ncsn import NCSN, ConditionalInstanceNorm2dPlus, count_parameters, geometric_sigmas
+from src.models.ncsn import NCSN, count_parameters, geometric_sigmas
+from src.models.ncsn_layers import ConditionalInstanceNorm2dPlus
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from src.deq.config import DEQConfig
 from src.deq.multiscale import MultiscaleDEQBlock
+from src.models.ncsn_layers import RefineBlock, ResBlock
 
 
 class MultiscaleTrunk(nn.Module):
@@ -30,8 +31,6 @@ class MultiscaleTrunk(nn.Module):
     def __init__(self, ngf: int, num_classes: int | None, config: DEQConfig, scales: int = 2,
                  cell: str = "resblock", groups: int = 4, activation: str = "elu", name: str = "ncsn.mdeq"):
         super().__init__()
-        from src.models.ncsn import RefineBlock, ResBlock  # ncsn.py builds this trunk for arch=mdeq
-
         if int(scales) < 1:
             raise ValueError(f"model.scales={scales}: the multi-resolution equilibrium needs >= 1 resolution")
         self.channels = tuple(ngf * (2 if i else 1) for i in range(int(scales)))
