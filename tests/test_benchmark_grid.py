@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -211,7 +212,7 @@ def test_lib_runs_a_modules_own_training_step_outside_a_trainer():
     for _ in range(2):
         torch.manual_seed(0)
         modules.append(DKEFLitModule(2, loss={"name": "sm"}, n_inducing=4, feature_dim=3, hidden=4, depth=1,
-                                     optimizer={"lr": 0.01}))
+                                     optimizer=functools.partial(torch.optim.Adam, lr=0.01)))
     optimizers = step.trainer_free(modules[0])
     loss = step.training_step(modules[0], x, optimizers)
     opt = torch.optim.Adam(modules[1].parameters(), lr=0.01)
@@ -224,8 +225,8 @@ def test_lib_runs_a_modules_own_training_step_outside_a_trainer():
 
     torch.manual_seed(0)
     vae = VAELitModule((1, 4, 4), loss={"name": "ssm"}, depth=0, latent_dim=2, hidden=8, channels=4,
-                       optimizer={"score": {"params": ["score_net"], "lr": 0.01},
-                                  "vae": {"params": ["encoder", "decoder"], "lr": 0.01}})
+                       optimizer={"score": {"_target_": "torch.optim.Adam", "lr": 0.01},
+                                  "vae": {"_target_": "torch.optim.Adam", "lr": 0.01}})
     before = {n: p.detach().clone() for n, p in vae.named_parameters()}
     optimizers = step.trainer_free(vae)
     assert len(optimizers) == 2 and step.training_step(vae, torch.rand(4, 1, 4, 4).round(), optimizers) is None

@@ -111,20 +111,29 @@ def _toy(optimizer, **kw):
     return TwoOptimiserToy((1, 4, 4), optimizer, **kw)
 
 
-def test_optimiser_specs_must_cover_every_parameter_once():
-    both = {"score": {"lr": 1e-2, "params": ["score_net"]}, "generator": {"lr": 1e-2, "params": ["generator"]}}
-    assert len(_toy(both).configure_optimizers()) == 2
-    with pytest.raises(ValueError, match="parameters in no optimiser: generator"):
-        _toy({"score": {"lr": 1e-2, "params": ["score_net"]}}).configure_optimizers()
-    with pytest.raises(ValueError, match="belongs to two optimisers"):
-        _toy({"score": {"params": ["score_net"]}, "all": {"params": [""]}}).configure_optimizers()
-    with pytest.raises(ValueError, match="has no sub-module 'decoder'"):
-        _toy({"score": {"params": ["score_net", "decoder"]}, "g": {"params": ["generator"]}}).configure_optimizers()
-    opt = _toy({"name": "sgd", "lr": 0.5, "momentum": 0.9}).configure_optimizers()
-    assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.9
+ADAM = {"_target_": "torch.optim.Adam", "_partial_": True}
 
 
-TOY_OPT = {"score": {"lr": 0.05, "params": ["score_net"]}, "generator": {"lr": 0.05, "params": ["generator"]}}
+def test_optimisers_are_partial_torch_optim_classes_one_per_named_module_group():
+    both = {"score": {**ADAM, "lr": 1e-2}, "generator": {"_target_": "torch.optim.SGD", "lr": 0.5, "momentum": 0.9}}
+    toy = _toy(both)
+    score, generator = toy.configure_optimizers()
+    assert isinstance(score, torch.optim.Adam) and score.defaults["lr"] == 1e-2
+    assert isinstance(generator, torch.optim.SGD) and generator.defaults["momentum"] == 0.9
+    assert {id(p) for g in score.param_groups for p in g["params"]} == {id(p) for p in toy.score_net.parameters()}
+    with pytest.raises(ValueError, match="needs one optimiser for each of score, generator, got score"):
+        _toy({"score": {**ADAM, "lr": 1e-2}}).configure_optimizers()
+    with pytest.raises(ValueError, match="model.optimizer.score.lr=-1 must be > 0"):
+        _toy({"score": {**ADAM, "lr": -1}, "generator": ADAM})
+    with pytest.raises(ValueError, match="model.optimizer.generator: SGD takes no argument betas"):
+        _toy({"score": ADAM, "generator": {"_target_": "torch.optim.SGD", "lr": 0.1, "betas": [0.9, 0.99]}})
+    with pytest.raises(ValueError, match="is the old spelling: give a partial torch.optim class"):
+        _toy({"name": "sgd", "lr": 0.5})
+    with pytest.raises(ValueError, match="model.scheduler._target_=.*is not a torch.optim.lr_scheduler class"):
+        _toy({"score": ADAM, "generator": ADAM}, scheduler={"_target_": "torch.optim.SGD"})
+
+
+TOY_OPT = {"score": {**ADAM, "lr": 0.05}, "generator": {**ADAM, "lr": 0.05}}
 
 
 class GradNormRecorder(L.Callback):

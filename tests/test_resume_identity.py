@@ -114,3 +114,63 @@ def test_differences_name_each_key_and_cover_groups():
     assert differences(saved, here, allow=["deq.max"]) == differences(saved, here)  # a key, not a text prefix
     with pytest.raises(ResumeMismatchError, match=r"resume_allow=\[deq,model\.new\]$"):
         check_same_run({CHECKPOINT_KEY: saved}, "x.ckpt", identity=here)
+
+
+def _as_recorded_before_partial_optimisers(identity: dict) -> dict:
+    """``identity`` as a checkpoint recorded it while model.optimizer was a flat mapping ({name, lr, …, scheduler,
+    params}) and model.scheduler did not exist."""
+    old = {k: v for k, v in identity.items() if not k.startswith(("model.scheduler", "model.optimizer"))}
+    groups = {k.rsplit(".", 1)[0] for k in identity if k.startswith("model.optimizer") and k.endswith("._target_")}
+    for group in groups:
+        old[f"{group}.name"] = identity[f"{group}._target_"].rsplit(".", 1)[1].lower()
+        old.update({k: v for k, v in identity.items() if k.startswith(f"{group}.") and not k.endswith("_")})
+        if group != "model.optimizer":
+            old[f"{group}.params"] = ["score_net"] if group.endswith("score") else ["encoder", "decoder"]
+        if identity.get("model.scheduler._target_", "").endswith("CosineAnnealingLR"):
+            old[f"{group}.scheduler"] = "cosine"
+    return old
+
+
+@pytest.mark.parametrize("experiment", ["steep", "vae_mnist", "implicit_bias", "dkef_gaussian"])
+def test_a_run_recorded_with_the_flat_optimiser_keys_resumes_under_todays(experiment):
+    """model.optimizer {name: sgd, lr, scheduler: cosine} (recorded before model.optimizer became a partial
+    torch.optim class) is today's {_target_: torch.optim.SGD, _partial_: true, lr} and model.scheduler: the same
+    run; a changed learning rate is still named."""
+    from src.runs.identity import run_identity
+
+    here = run_identity(compose_train([f"experiment={experiment}"]))
+    assert any(k.endswith("._target_") and str(v).startswith("torch.optim.") for k, v in here.items())
+    old = _as_recorded_before_partial_optimisers(here)
+    assert not any(k.endswith(("_target_", "_partial_")) and k.startswith("model.optimizer") for k in old)
+    check_same_run({CHECKPOINT_KEY: old}, "old.ckpt", identity=here)
+    lr = next(k for k in old if k.endswith(".lr"))
+    old[lr] = 0.5
+    with pytest.raises(ResumeMismatchError, match=rf"{lr}: 0.5 in the checkpoint, "):
+        check_same_run({CHECKPOINT_KEY: old}, "old.ckpt", identity=here)
+
+
+def test_a_run_config_with_the_flat_optimiser_keys_builds_todays_optimisers():
+    """src.evaluate / src.sample of a run written before model.optimizer became a partial class: its saved
+    config is read as today's (src.config.old_runs.upgrade_optimizer_config)."""
+    from omegaconf import OmegaConf
+
+    from src.config.old_runs import upgrade_optimizer_config
+    from src.runs.build import build
+
+    cfg = compose_train(["experiment=steep"])
+    OmegaConf.set_struct(cfg, False)
+    cfg.model.optimizer = {"name": "sgd", "lr": 0.01, "weight_decay": 0.0, "scheduler": "cosine"}
+    del cfg.model["scheduler"]
+    upgrade_optimizer_config(cfg)
+    assert OmegaConf.to_container(cfg.model.scheduler) == {
+        "_target_": "torch.optim.lr_scheduler.CosineAnnealingLR", "_partial_": True, "eta_min": 1e-4}
+    module = build(cfg.model)
+    opt = module.optimizer_factories["main"]
+    assert opt.func is torch.optim.SGD and opt.keywords == {"lr": 0.01, "weight_decay": 0.0}
+    vae = compose_train(["experiment=vae_mnist"])
+    OmegaConf.set_struct(vae, False)
+    vae.model.optimizer = {"score": {"params": ["score_net"], "lr": 1e-4}, "vae": {"params": ["encoder"], "lr": 2e-4}}
+    upgrade_optimizer_config(vae)
+    assert OmegaConf.to_container(vae.model.optimizer) == {
+        "score": {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 1e-4},
+        "vae": {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 2e-4}}

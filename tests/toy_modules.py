@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import lightning.pytorch as L
 import torch
 from torch import nn
@@ -66,8 +68,10 @@ class TwoOptimiserToy(DeqsmModule):
     ``score``), then one moment-matching update of a generator (optimiser ``generator``) — the shape of
     the SSM-VAE's training step, on a model small enough for a test."""
 
-    def __init__(self, shape, optimizer, metrics=None, score_steps: int = 2, sigma: float = 0.1):
-        super().__init__(optimizer=optimizer, metrics=metrics)
+    optimized_modules: ClassVar[dict] = {"score": ("score_net",), "generator": ("generator",)}
+
+    def __init__(self, shape, optimizer, metrics=None, score_steps: int = 2, sigma: float = 0.1, scheduler=None):
+        super().__init__(optimizer=optimizer, metrics=metrics, scheduler=scheduler)
         self.automatic_optimization = False
         self.score_net = PixelScore(shape)
         self.generator = PixelGenerator(shape)

@@ -166,7 +166,7 @@ def grid(only, seeds=SEEDS) -> list[dict]:
         ["experiment=linear_regions", "deq=true", "model.construction=none", "deq.norm=frobenius", "model.width=64"])
     add("implicit_bias", "diagonal linear DEQ", ["experiment=implicit_bias", "model.arch=diag_deq"])
     add("implicit_bias", "diagonal linear network", ["experiment=implicit_bias", "model.arch=diag_net"])
-    adam = ["model.optimizer.name=adam", "model.optimizer.lr=1e-3"]
+    adam = ["model.optimizer._target_=torch.optim.Adam", "model.optimizer.lr=1e-3"]
     for tag, extra in (("dense", []), ("sparse", ["data.task_kwargs.support=3"])):
         add("gotu", f"diagonal linear DEQ ({tag})", ["experiment=gotu", "model.arch=diag_deq", *extra], True)
         add("gotu", f"diagonal linear network ({tag})", ["experiment=gotu", "model.arch=diag_net", *extra], True)

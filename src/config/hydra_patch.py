@@ -7,7 +7,10 @@ the option name ``"true"``/``"false"`` before Hydra builds the defaults list. No
 boolean for a plain key stays a boolean. Installed on ``import src`` (every entry point imports it), so
 ``hydra.compose(..., overrides=["deq=true"])`` works in tools that import the package first.
 
-It also registers the config's resolvers (:mod:`src.config.resolvers`).
+It also registers the config's resolvers (:mod:`src.config.resolvers`), and reads a config override in a spelling of
+an older deqsm (:func:`src.config.old_runs.old_override`): ``model.optimizer.name=sgd`` as
+``model.optimizer._target_=torch.optim.SGD``, and one that no longer works (``model.optimizer.scheduler=cosine``) is
+refused in one line naming today's (Hydra's own "Key 'scheduler' is not in struct" would not say what to write).
 
 Why a patch at all: ``deq=true`` must stay a config-group choice (``deq.solver=anderson`` beside it, sweeps
 ``deq=true,false``), and Hydra offers no hook to read ``true`` as a group option name.
@@ -31,13 +34,25 @@ def install() -> None:
 
     register_resolvers()
     from hydra._internal import defaults_list
+    from hydra.errors import ConfigCompositionException
+
+    from src.config.old_runs import old_override
 
     original = defaults_list.Overrides.__init__
 
     @functools.wraps(original)
     def __init__(self, repo, overrides_list):
         for override in overrides_list:
-            if override.is_sweep_override() or not repo.group_exists(override.key_or_group):
+            if not repo.group_exists(override.key_or_group):
+                try:
+                    today = old_override(override.key_or_group, override._value, override.is_sweep_override(),
+                                         override.input_line)
+                except ValueError as exc:
+                    raise ConfigCompositionException(str(exc)) from None
+                if today is not None:
+                    override.key_or_group, override._value = today
+                continue
+            if override.is_sweep_override():
                 continue
             if isinstance(override._value, bool):
                 override._value = "true" if override._value else "false"

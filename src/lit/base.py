@@ -31,7 +31,7 @@ from src.data.contract import ScoreDataModule, require_contract
 from src.deq.config import DEQConfig, deq_setting
 from src.deq.core import correction_weights
 from src.lit.deq_monitor import DEQMonitorMixin
-from src.lit.optimizers import OptimizersMixin, optimizer_arguments
+from src.lit.optimizers import OptimizersMixin, optimizer_factories, scheduler_factory
 from src.lit.resume import ResumeHooksMixin
 from src.metrics.registry import build_metrics
 from src.objectives.base import ObjectiveOutput, weighted_states_loss
@@ -67,17 +67,19 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
     train_losses: tuple[str, ...] | None = None  # the objectives the family trains with (None: every one)
     ignored_loss_keys: tuple[str, ...] = ()  # loss-config keys the family replaces (NCSN: sigma)
 
-    def __init__(self, optimizer: Mapping | None = None, metrics: Mapping | None = None,
+    def __init__(self, optimizer: Any = None, metrics: Mapping | None = None,
                  monitor: str | None = None, monitor_mode: str | None = None,
                  loss: Mapping | None = None, loss_bound: Mapping | None = None, deq: Mapping | None = None,
-                 deq_enabled: bool | None = None):
+                 deq_enabled: bool | None = None, scheduler: Any = None):
         """``monitor`` / ``monitor_mode``: the family's default ``optimized_metric`` (conf/train.yaml reads
         them from the model config); the module itself only records them. ``loss``: the ``model.loss`` config,
         built into ``self.objective`` (with ``self.loss_name``, ``self.loss_kwargs``) when the family has a
         ``default_loss``; ``loss_bound``: hyper-parameters the family sets over the config's (the VAE's
         projection). ``deq``: the ``deq`` config group, parsed here once into ``self.deq``
         (:func:`src.deq.config.deq_setting`, which refuses what the family cannot run); ``deq_enabled``: True for
-        a family whose architecture is a DEQ by its own choice (the supervised ``model.arch=deq``)."""
+        a family whose architecture is a DEQ by its own choice (the supervised ``model.arch=deq``).
+        ``optimizer`` / ``scheduler``: partial ``torch.optim`` classes (``model.optimizer``, ``model.scheduler``:
+        :mod:`src.lit.optimizers`), checked here so that a bad setting stops the run at start-up in one line."""
         super().__init__()
         self.monitor, self.monitor_mode = monitor, monitor_mode
         self.loss_name: str | None = None
@@ -88,9 +90,8 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
                 plain(loss), default=self.default_loss, family=type(self).__name__,
                 allowed=self.train_losses, ignored=self.ignored_loss_keys, bound=loss_bound)
         self.deq = deq_setting(deq, self.family, loss=self.loss_name, enabled=deq_enabled)
-        self.optimizer_cfg = dict(plain(optimizer) or {})
-        for name, spec in self.optimizer_specs().items():  # bad optimiser settings: one line, at start-up
-            optimizer_arguments(spec, self._optimizer_key(name))
+        self.optimizer_factories = optimizer_factories(optimizer)
+        self.scheduler_factory = scheduler_factory(scheduler)
         self.eval_metrics = build_metrics(plain(metrics))
         self.manual_clip: dict[str, Any] = {}
         self.n_samples_grid = 0  # generative families: samples.png of this many samples at the end of the test

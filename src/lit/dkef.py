@@ -15,6 +15,7 @@ from the proposal N(0, ``proposal_std``² I), as the reference code.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -54,19 +55,18 @@ class DKEFLitModule(ScoreMatchingModule):
         alpha_fit: str = "auto",
         alpha_refit_points: int = 1000,
         final_refit: Mapping | None = None,
-        optimizer: Mapping | None = None,
+        optimizer: Any = None, scheduler: Any = None,
         metrics: Mapping | None = None,
     ):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
-        loss, deq, optimizer, metrics, final_refit = (
-            plain(c) for c in (loss, deq, optimizer, metrics, final_refit))
+        loss, deq, metrics, final_refit = (plain(c) for c in (loss, deq, metrics, final_refit))
         if loss and loss.get("name") == "mle":
             raise ValueError(
                 "loss=mle needs a model with a tractable likelihood (model=nice); DKEF's normaliser is "
                 "intractable. Use loss=sm|ssm|ssm_vr|dsm|cp with model=dkef."
             )
-        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics, deq=deq)
-        self.save_hyperparameters()
+        super().__init__(loss=loss, optimizer=optimizer, scheduler=scheduler, metrics=metrics, deq=deq)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not hyper-parameters
         self.alpha_refit_points = int(alpha_refit_points)
         self.final_refit = self._checked_final_refit(final_refit)
         self._final_refit_results: dict[str, float] = {}

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -73,16 +74,15 @@ class NCSNLitModule(ScoreMatchingModule):
         sampling: Mapping | None = None,
         n_samples_grid: int = 64,
         val_seed: int = 0,
-        optimizer: Mapping | None = None,
+        optimizer: Any = None, scheduler: Any = None,
         metrics: Mapping | None = None,
         monitor: str | None = "val/dsm_loss",
         monitor_mode: str | None = "min",
     ):
-        loss, deq, noise, sampling, optimizer, metrics = (
-            plain(c) for c in (loss, deq, noise, sampling, optimizer, metrics))
-        super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
+        loss, deq, noise, sampling, metrics = (plain(c) for c in (loss, deq, noise, sampling, metrics))
+        super().__init__(optimizer=optimizer, scheduler=scheduler, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
                          loss=loss, deq=deq if arch in DEQ_ARCHS else None)  # refinenet: no DEQ, ignores deq
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not hyper-parameters
         self.anneal_power = float(anneal_power)
         noise = {"sigma_begin": 1.0, "sigma_end": 0.01, "num_classes": 10, **(noise or {})}
         sigmas = geometric_sigmas(float(noise["sigma_begin"]), float(noise["sigma_end"]), int(noise["num_classes"]))

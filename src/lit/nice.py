@@ -9,6 +9,7 @@ PNG grid of samples (also logged to W&B when that logger is on).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -31,14 +32,14 @@ class NICELitModule(ScoreMatchingModule):
         n_couplings: int = 4,
         hidden: int = 1000,
         deq_width: int = 1000,
-        optimizer: Mapping | None = None,
+        optimizer: Any = None, scheduler: Any = None,
         metrics: Mapping | None = None,
         n_samples_grid: int = 64,
     ):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
-        loss, deq, optimizer, metrics = (plain(c) for c in (loss, deq, optimizer, metrics))
-        super().__init__(loss=loss, optimizer=optimizer, metrics=metrics, deq=deq)
-        self.save_hyperparameters()
+        loss, deq, metrics = (plain(c) for c in (loss, deq, metrics))
+        super().__init__(loss=loss, optimizer=optimizer, scheduler=scheduler, metrics=metrics, deq=deq)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not hyper-parameters
         metric_options(metrics, "log_likelihood", {})  # the exact likelihood takes no options: refuse any
         depth = resolve_depth("nice", depth, self.deq)
         if self.deq is not None:

@@ -1,153 +1,185 @@
-"""Optimisers from config (``model.optimizer``), never from code, for every LightningModule.
+"""Optimisers and learning-rate schedulers from config, Hydra's ``_partial_`` idiom (as lightning-hydra-template).
 
-- one optimiser over every parameter: ``{name: adam, lr: 1e-3, weight_decay: 1e-12}`` (``name`` is any
-  ``torch.optim`` class, default Adam; other keys are its arguments);
-- several, by name: ``{score: {lr: 1e-4, params: [score_net]}, vae: {lr: 1e-4, params: [encoder, decoder]}}``
-  — ``params`` lists sub-modules (attribute paths) of the LightningModule; every trainable parameter must
-  belong to exactly one optimiser. A family that alternates updates sets ``automatic_optimization = False``
-  and calls :meth:`OptimizersMixin.manual_update` (backward, clipping, step) per optimiser in its
-  ``training_step``. Lightning refuses manual optimisation while ``trainer.gradient_clip_val`` is set, so
-  ``src.train`` moves that setting into ``manual_clip`` and :meth:`OptimizersMixin.manual_update` applies it:
-  the same clipping in either mode.
+``model.optimizer`` is a partial ``torch.optim`` class — every argument but the parameters::
 
-:class:`OptimizersMixin` is mixed into :class:`src.lit.base.DeqsmModule`; it reads ``self.optimizer_cfg`` and
-``self.manual_clip``.
+    optimizer: {_target_: torch.optim.Adam, _partial_: true, lr: 1.0e-3, weight_decay: 1.0e-12}
+
+(``model.optimizer._target_=torch.optim.SGD +model.optimizer.momentum=0.9`` swaps it from the command line), or
+several such partials by name for a family that alternates updates (the SSM-VAE: ``{score: {...}, vae: {...}}``);
+the family says which sub-modules each named optimiser updates (:attr:`OptimizersMixin.optimized_modules`), and
+calls :meth:`OptimizersMixin.manual_update` (backward, clipping, step) per optimiser in its ``training_step``.
+Lightning refuses manual optimisation while ``trainer.gradient_clip_val`` is set, so ``src.train`` moves that
+setting into ``manual_clip`` and :meth:`OptimizersMixin.manual_update` applies it: the same clipping in either mode.
+
+``model.scheduler`` (null: none) is a partial ``torch.optim.lr_scheduler`` class applied to each optimiser and
+stepped per training step; its length argument (``T_max``, ``total_steps``, ``total_iters``), when the class takes
+one and the config leaves it out, is the run's number of steps (``trainer.estimated_stepping_batches``), e.g.
+``{_target_: torch.optim.lr_scheduler.CosineAnnealingLR, _partial_: true, eta_min: 1.0e-5}``.
+
+Hydra builds the partials when it instantiates ``model``; a module built in code takes a ``functools.partial``
+or the same mapping (instantiated here). :class:`OptimizersMixin` is mixed into :class:`src.lit.base.DeqsmModule`.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import torch
 
-_OPTIMIZER_KEYS = {"lr", "weight_decay", "betas", "eps", "momentum", "name", "amsgrad"}
+OLD_SPELLING = ("model.optimizer={lr: …, name: adam} is the old spelling: give a partial torch.optim class, "
+                "model.optimizer={_target_: torch.optim.Adam, _partial_: true, lr: …}")
+LENGTH_ARGUMENTS = ("T_max", "total_steps", "total_iters")  # a scheduler's run length, filled in when left out
 
 
-def is_single_optimizer(cfg: Mapping) -> bool:
-    """A flat mapping of optimiser arguments (``{lr: …}``) rather than ``{name: {lr: …, params: […]}}``."""
-    return not cfg or not all(isinstance(v, Mapping) for v in cfg.values()) or bool(set(cfg) & _OPTIMIZER_KEYS)
+def _partial_of(spec: Any, where: str) -> Callable:
+    """A ``functools.partial`` (or any callable) as it is; a ``{_target_: …}`` mapping instantiated as a partial."""
+    if callable(spec) and not isinstance(spec, Mapping):
+        return spec
+    if isinstance(spec, Mapping) and "_target_" in spec:
+        from hydra.errors import InstantiationException
+        from hydra.utils import instantiate
+
+        from src.config.values import plain
+
+        try:
+            return instantiate(plain(spec), _partial_=True)
+        except InstantiationException as exc:  # an unknown _target_ path: Hydra's message, on one line
+            raise ValueError(f"{where}._target_={spec['_target_']}: {str(exc).splitlines()[0]}") from None
+    raise ValueError(f"{where}={spec!r}: {OLD_SPELLING}")
 
 
-SCHEDULERS = ("cosine",)
+def optimizer_factories(optimizer: Any) -> dict[str, Callable]:
+    """``{name: partial optimiser}`` of the ``optimizer`` argument (a single one is named ``"main"``), each checked
+    by :func:`check_optimizer`. None or an empty mapping: Adam with its defaults."""
+    if optimizer is None or (isinstance(optimizer, Mapping) and not optimizer):
+        optimizer = functools.partial(torch.optim.Adam)
+    if isinstance(optimizer, Mapping) and "_target_" not in optimizer and all(
+            isinstance(v, Mapping) or (callable(v) and not isinstance(v, (str, bytes))) for v in optimizer.values()):
+        out = {str(k): _partial_of(v, f"model.optimizer.{k}") for k, v in optimizer.items()}
+    else:
+        out = {"main": _partial_of(optimizer, "model.optimizer")}
+    for name, factory in out.items():
+        check_optimizer(factory, optimizer_key(name, len(out)))
+    return out
 
 
-def _optimizer_classes() -> dict[str, type]:
-    return {n.lower(): getattr(torch.optim, n) for n in dir(torch.optim)
-            if isinstance(getattr(torch.optim, n), type) and issubclass(getattr(torch.optim, n), torch.optim.Optimizer)
-            and getattr(torch.optim, n) is not torch.optim.Optimizer}
+def optimizer_key(name: str, count: int) -> str:
+    """The config key of optimiser ``name`` (``model.optimizer`` for a single one)."""
+    return "model.optimizer" if name == "main" and count == 1 else f"model.optimizer.{name}"
 
 
-def optimizer_arguments(spec: Mapping, where: str = "model.optimizer") -> tuple[type, dict]:
-    """The ``torch.optim`` class and its keyword arguments of one optimiser spec, checked: a one-line
-    ``ValueError`` naming the key (``where``) for an unknown optimiser, an argument the class does not take, a
-    value that is not a number, or lr <= 0 / weight_decay < 0. Called at start-up (module construction) and
-    again by :func:`make_optimizer`."""
-    spec = dict(spec)
-    spec.pop("params", None)
-    spec.pop("scheduler", None)
-    name = str(spec.pop("name", "adam"))
-    classes = _optimizer_classes()
-    if name.lower() not in classes:
-        raise ValueError(f"{where}.name={name!r} is not a torch.optim optimiser; valid: "
-                         f"{', '.join(sorted(classes))}")
-    cls = classes[name.lower()]
+def check_optimizer(factory: Callable, where: str = "model.optimizer") -> None:
+    """A one-line ``ValueError`` naming the key (``where``) for a target that is not a ``torch.optim`` optimiser, an
+    argument the class does not take, a value that is not a number, or lr <= 0 / weight_decay < 0 (at start-up:
+    module construction)."""
+    cls = getattr(factory, "func", factory)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
+        raise ValueError(f"{where}._target_={getattr(cls, '__qualname__', cls)} is not a torch.optim optimiser "  # noqa: TRY004
+                         "(e.g. torch.optim.Adam, torch.optim.SGD)")
+    kwargs = dict(getattr(factory, "keywords", None) or {})
     accepted = set(inspect.signature(cls.__init__).parameters) - {"self", "params"}
-    unknown = sorted(set(spec) - accepted)
+    unknown = sorted(set(kwargs) - accepted)
     if unknown:
         raise ValueError(f"{where}: {cls.__name__} takes no argument {', '.join(unknown)}; "
                          f"its arguments: {', '.join(sorted(accepted))}")
     for key in ("lr", "weight_decay", "eps", "momentum"):
-        if key in spec:
+        if key in kwargs and not isinstance(kwargs[key], torch.Tensor):
             try:
-                spec[key] = float(spec[key])
+                float(kwargs[key])
             except (TypeError, ValueError):
-                raise ValueError(f"{where}.{key}={spec[key]!r} is not a number") from None
-    spec.setdefault("lr", 1e-3)
-    if not spec["lr"] > 0:
-        raise ValueError(f"{where}.lr={spec['lr']:g} must be > 0 (e.g. 1e-3)")
-    if spec.get("weight_decay", 0.0) < 0:
-        raise ValueError(f"{where}.weight_decay={spec['weight_decay']:g} must be >= 0")
-    if "betas" in spec:
-        spec["betas"] = tuple(float(b) for b in spec["betas"])
-    return cls, spec
+                raise ValueError(f"{where}.{key}={kwargs[key]!r} is not a number") from None
+    if "lr" in kwargs and not float(kwargs["lr"]) > 0:
+        raise ValueError(f"{where}.lr={float(kwargs['lr']):g} must be > 0 (e.g. 1e-3)")
+    if float(kwargs.get("weight_decay", 0.0) or 0.0) < 0:
+        raise ValueError(f"{where}.weight_decay={float(kwargs['weight_decay']):g} must be >= 0")
 
 
-def make_optimizer(params, spec: Mapping, where: str = "model.optimizer") -> torch.optim.Optimizer:
-    """``torch.optim.<name>(params, **rest)`` from a config mapping (default Adam, lr 1e-3), checked by
-    :func:`optimizer_arguments`."""
-    cls, kwargs = optimizer_arguments(spec, where)
-    return cls(params, **kwargs)
+def scheduler_factory(scheduler: Any) -> Callable | None:
+    """The partial scheduler of the ``scheduler`` argument (None: none), checked to be a ``torch.optim.lr_scheduler``
+    class."""
+    if scheduler is None:
+        return None
+    factory = _partial_of(scheduler, "model.scheduler")
+    cls = getattr(factory, "func", factory)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.lr_scheduler.LRScheduler)):
+        raise ValueError(f"model.scheduler._target_={getattr(cls, '__qualname__', cls)} is not a "  # noqa: TRY004
+                         "torch.optim.lr_scheduler class (e.g. torch.optim.lr_scheduler.CosineAnnealingLR)")
+    return factory
+
+
+def optimizer_class(factory: Callable) -> type:
+    """The optimiser class of a partial optimiser."""
+    return getattr(factory, "func", factory)
+
+
+def optimizer_argument(factory: Callable, key: str, default: Any = None) -> Any:
+    """An argument of a partial optimiser as configured (``default`` when left to the class's default)."""
+    kwargs = getattr(factory, "keywords", None) or {}
+    if key in kwargs:
+        return kwargs[key]
+    param = inspect.signature(optimizer_class(factory).__init__).parameters.get(key)
+    return default if param is None or param.default is inspect.Parameter.empty else param.default
 
 
 class OptimizersMixin:
-    """``configure_optimizers`` and the manual-optimisation helpers of a :class:`src.lit.base.DeqsmModule`."""
+    """``configure_optimizers`` and the manual-optimisation helpers of a :class:`src.lit.base.DeqsmModule`; reads
+    ``self.optimizer_factories``, ``self.scheduler_factory`` and ``self.manual_clip``."""
 
-    def optimizer_specs(self) -> dict[str, dict]:
-        """``{name: spec}`` of the configured optimisers (a single one is named ``"main"``)."""
-        cfg = self.optimizer_cfg
-        if is_single_optimizer(cfg):
-            return {"main": dict(cfg)}
-        return {name: dict(spec) for name, spec in cfg.items()}
+    # {optimiser name: sub-module paths it updates} of a family with several optimisers (None: one optimiser over
+    # every trainable parameter); every trainable parameter must belong to exactly one.
+    optimized_modules: ClassVar[Mapping[str, tuple[str, ...]] | None] = None
 
-    def _optimizer_key(self, name: str) -> str:
-        """The config key of optimiser ``name`` (``model.optimizer`` for a single one)."""
-        return "model.optimizer" if is_single_optimizer(self.optimizer_cfg) else f"model.optimizer.{name}"
-
-    def _params_of(self, name: str, spec: Mapping) -> list[torch.nn.Parameter]:
-        paths = spec.get("params")
-        if paths is None:
+    def _params_of(self, name: str) -> list[torch.nn.Parameter]:
+        if len(self.optimizer_factories) == 1 and self.optimized_modules is None:
             return [p for p in self.parameters() if p.requires_grad]
+        modules = dict(self.optimized_modules or {})
+        if name not in modules:
+            raise ValueError(f"model.optimizer.{name}: {type(self).__name__} has the optimisers "
+                             f"{', '.join(modules) or 'one (model.optimizer={_target_: …})'}")
         params = []
-        for path in [paths] if isinstance(paths, str) else paths:
-            try:
-                sub = self.get_submodule(path) if path else self
-            except AttributeError:
-                raise ValueError(f"model.optimizer.{name}.params: {type(self).__name__} has no sub-module "
-                                 f"{path!r}") from None
+        for path in modules[name]:
+            sub = self.get_submodule(path) if path else self
             params += [p for p in sub.parameters() if p.requires_grad]
         return params
 
     def configure_optimizers(self):
-        """The configured optimisers; ``scheduler: cosine`` in a spec anneals its learning rate to 1 % over
-        the run (per step). None when the module has no trainable parameter (an evaluation-only model)."""
+        """The configured optimisers (and schedulers, stepped per training step). None when the module has no
+        trainable parameter (an evaluation-only model)."""
         if not any(p.requires_grad for p in self.parameters()):
             return None
-        specs = self.optimizer_specs()
+        factories = self.optimizer_factories
+        if self.optimized_modules is not None and set(factories) != set(self.optimized_modules):
+            raise ValueError(f"model.optimizer: {type(self).__name__} needs one optimiser for each of "
+                             f"{', '.join(self.optimized_modules)}, got {', '.join(factories)}")
         optimizers, owner = [], {}
-        for name, spec in specs.items():
-            params = self._params_of(name, spec)
+        for name, factory in factories.items():
+            params = self._params_of(name)
             for p in params:
                 if id(p) in owner:
-                    raise ValueError(f"a parameter belongs to two optimisers ({owner[id(p)]} and {name}): "
-                                     "make the model.optimizer.*.params lists disjoint")
+                    raise ValueError(f"a parameter belongs to two optimisers ({owner[id(p)]} and {name})")
                 owner[id(p)] = name
             if not params:
-                raise ValueError(f"model.optimizer.{name} has no trainable parameters")
-            optimizers.append(make_optimizer(params, spec, self._optimizer_key(name)))
+                raise ValueError(f"{optimizer_key(name, len(factories))} has no trainable parameters")
+            optimizers.append(factory(params))
         missing = [n for n, p in self.named_parameters() if p.requires_grad and id(p) not in owner]
         if missing:
-            raise ValueError(f"parameters in no optimiser: {', '.join(missing[:5])}"
-                             f"{' …' if len(missing) > 5 else ''}; add their module to a model.optimizer.*.params")
-        schedulers = []
-        for (name, spec), opt in zip(specs.items(), optimizers):
-            kind = spec.get("scheduler")
-            if kind is None:
-                continue
-            if kind not in SCHEDULERS:
-                raise ValueError(f"model.optimizer scheduler={kind!r} is unknown; valid: {', '.join(SCHEDULERS)}")
-            steps = max(1, int(self.trainer.estimated_stepping_batches))
-            lr = opt.param_groups[0]["lr"]
-            schedulers.append({"scheduler": torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps,
-                                                                                       eta_min=lr * 1e-2),
-                               "interval": "step"})
-        if schedulers:
-            return optimizers, schedulers
-        return optimizers[0] if len(optimizers) == 1 else optimizers
+            raise ValueError(f"parameters in no optimiser: {', '.join(missing[:5])}{' …' if len(missing) > 5 else ''}")
+        if self.scheduler_factory is None:
+            return optimizers[0] if len(optimizers) == 1 else optimizers
+        cls = getattr(self.scheduler_factory, "func", self.scheduler_factory)
+        given = set(getattr(self.scheduler_factory, "keywords", None) or {})
+        accepted = set(inspect.signature(cls.__init__).parameters)
+        length = {k: max(1, int(self.trainer.estimated_stepping_batches))
+                  for k in LENGTH_ARGUMENTS if k in accepted and k not in given}
+        schedulers = [{"scheduler": self.scheduler_factory(opt, **length), "interval": "step"} for opt in optimizers]
+        return optimizers, schedulers
 
     def named_optimizer(self, name: str):
         """The (Lightning-wrapped) optimiser called ``name`` in the config (manual optimisation)."""
-        names = list(self.optimizer_specs())
+        names = list(self.optimizer_factories)
         opts = self.optimizers()
         opts = opts if isinstance(opts, list) else [opts]
         return opts[names.index(name)]

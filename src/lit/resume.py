@@ -105,8 +105,8 @@ class ResumeHooksMixin:
 
     def on_train_start(self) -> None:
         # The training loader's position (src.data.resumable) is restored by Lightning only when it builds the
-        # loader after loading the checkpoint; a scheduler sized by trainer.estimated_stepping_batches
-        # (scheduler: cosine) makes it build the loader earlier, in configure_optimizers, and the saved position
+        # loader after loading the checkpoint; a scheduler sized by trainer.estimated_stepping_batches (a
+        # model.scheduler's T_max) makes it build the loader earlier, in configure_optimizers, and the saved position
         # was then never applied (measured: the resumed epoch restarted at its first batch). Apply it now,
         # before the first batch is drawn (the resumable loader reads its position lazily).
         fit_loop = self.trainer.fit_loop

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -19,13 +20,14 @@ import torch
 from src.config.values import plain
 from src.deq.lookup import blocks_of
 from src.lit.base import DeqsmModule
+from src.lit.optimizers import optimizer_argument, optimizer_class
 from src.models.supervised import DiagonalLinearDEQ, build_supervised_net, forward_flops
 
 LOSSES = ("mse", "half_sse")
 
 
 class SupervisedLitModule(DeqsmModule):
-    """Regression family on the shared base: optimisers (and the cosine schedule) from ``model.optimizer``
+    """Regression family on the shared base: the optimiser (and schedule) from ``model.optimizer`` (``model.scheduler``)
     as every family; its own validation/test hooks, because its metrics need every prediction at once
     (L∞ error, region counts, the study analyses)."""
 
@@ -34,14 +36,15 @@ class SupervisedLitModule(DeqsmModule):
     def __init__(self, input_dim: int, output_dim: int = 1, arch: str = "auto", deq: Mapping | None = None,
                  depth: int | None = None, width: int = 16, hidden: int | None = None, match: str | None = None,
                  activation: str = "relu", bias: bool = True, beta0: float = 1.0, alpha: float = 0.1,
-                 construction: str | None = None, loss: str = "mse", optimizer: Mapping | None = None,
+                 construction: str | None = None, loss: str = "mse", optimizer: Any = None, scheduler: Any = None,
                  analysis: str | None = None, analysis_kwargs: Mapping | None = None):
         deq = plain(deq)
         # model.arch=deq is a DEQ whatever deq.enabled says: its keys are parsed all the same
-        super().__init__(optimizer=plain(optimizer), deq=deq, deq_enabled=True if arch == "deq" else None)
+        super().__init__(optimizer=optimizer, scheduler=scheduler, deq=deq,
+                         deq_enabled=True if arch == "deq" else None)
         if loss not in LOSSES:
             raise ValueError(f"model.loss={loss!r} is unknown; valid: {', '.join(LOSSES)}")
-        self.save_hyperparameters()
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not hyper-parameters
         self.net = build_supervised_net(int(input_dim), int(output_dim), arch=arch, deq=self.deq, depth=depth,
                                         width=width, hidden=hidden, match=match, activation=activation, bias=bias,
                                         beta0=beta0, alpha=alpha)
@@ -88,11 +91,12 @@ class SupervisedLitModule(DeqsmModule):
             self.log("train/loss", loss.detach(), on_step=False, on_epoch=True, batch_size=x.shape[0])
             return None
         self.check_finite(loss)
-        if isinstance(self.net, DiagonalLinearDEQ) and self.optimizer_cfg.get("name") == "sgd":
+        sgd = optimizer_class(self.optimizer_factories["main"]) is torch.optim.SGD
+        if isinstance(self.net, DiagonalLinearDEQ) and sgd:
             r = (pred - y).detach().reshape(-1).double()
             if world > 1:  # every rank's residuals, in the split's row order (rank w holds rows w, w + W, …)
                 r = self.all_gather(r).t().reshape(-1)
-            lr = float(self.optimizer_cfg.get("lr", 1e-3))
+            lr = float(optimizer_argument(self.optimizer_factories["main"], "lr"))
             self.gd_v = r * lr if self.gd_v is None or self.gd_v.shape != r.shape else self.gd_v + lr * r
         self.log("train/loss", loss, on_step=False, on_epoch=True, prog_bar=True, batch_size=x.shape[0],
                  sync_dist=True)

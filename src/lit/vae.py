@@ -19,6 +19,7 @@ Metrics: ``model.metrics.vae`` (:mod:`src.metrics.vae`: score estimator's SSM lo
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import torch
 
@@ -60,6 +61,8 @@ class VAELitModule(DeqsmModule):
     # x 64 images, 150 iterations on a busy 2-core CPU, 0.36-0.42 s per iteration against 0.29 s here, and
     # bit-identical parameters after them (tests/test_ddp.py checks each update's gradient is the ranks' mean).
     ddp_find_unused_parameters = True
+    # model.optimizer.score updates the score estimator, model.optimizer.vae the encoder and decoder
+    optimized_modules: ClassVar[Mapping[str, tuple[str, ...]]] = {"score": ("score_net",), "vae": ("encoder", "decoder")}
 
     def __init__(
         self,
@@ -80,17 +83,17 @@ class VAELitModule(DeqsmModule):
         score_steps: int = 1,
         entropy_weight: float = 1.0,
         projection: str | None = "gaussian",
-        optimizer: Mapping | None = None,
+        optimizer: Any = None, scheduler: Any = None,
         metrics: Mapping | None = None,
         monitor: str | None = "val/recon_error",
         monitor_mode: str | None = "min",
         n_samples_grid: int = 64,
     ):
-        loss, deq, optimizer, metrics = (plain(c) for c in (loss, deq, optimizer, metrics))
+        loss, deq, metrics = (plain(c) for c in (loss, deq, metrics))
         image_shape = [int(s) for s in plain(image_shape)]
-        super().__init__(optimizer=optimizer, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
-                         loss=loss, loss_bound={"projection": projection}, deq=deq)
-        self.save_hyperparameters()
+        super().__init__(optimizer=optimizer, scheduler=scheduler, metrics=metrics, monitor=monitor,
+                         monitor_mode=monitor_mode, loss=loss, loss_bound={"projection": projection}, deq=deq)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not hyper-parameters
         self.automatic_optimization = False
         self.latent_dim, self.score_steps, self.n_samples_grid = int(latent_dim), int(score_steps), n_samples_grid
         if self.score_steps < 1:

@@ -2,7 +2,8 @@
 
 A resume (``ckpt_path=…``) continues a run only as the run it was trained as. :func:`run_identity` flattens the
 keys that make the run what it is — the family (``model._target_``), the objective (``loss.*``), the network's
-sizes and its optimiser (``model.*``), the DEQ block (``deq.*``, ``depth``) and the data (``data.*``) — into
+sizes and its optimiser and schedule (``model.*``; a checkpoint recorded while ``model.optimizer`` was a flat mapping
+is read with today's keys, :func:`src.config.old_runs.upgrade_identity`), the DEQ block (``deq.*``, ``depth``) and the data (``data.*``) — into
 ``{dotted key: value}``; every checkpoint ``src.train`` writes holds them (``deqsm_run``, written by
 :class:`src.runtime.checkpoints.AtomicCheckpointIO`), and :func:`check_same_run` refuses a checkpoint whose keys
 differ from the run's, in one line naming each differing key with both values and the override that allows the
@@ -26,6 +27,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
+from src.config.old_runs import upgrade_identity
 from src.runtime.checkpoints import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -129,9 +131,9 @@ def check_same_run(checkpoint: Mapping, path: Any = "the checkpoint", *, identit
     allow = [str(a) for a in (allow or ())]
     saved = checkpoint.get(CHECKPOINT_KEY)
     if saved is not None:
-        found = differences(saved, identity, allow)
+        found = differences(upgrade_identity(saved), identity, allow)
     else:
-        saved = identity_of_hparams(checkpoint.get("hyper_parameters") or {})
+        saved = upgrade_identity(identity_of_hparams(checkpoint.get("hyper_parameters") or {}))
         found = differences(saved, identity, allow, keys=[k for k in saved if k in identity])
         log.info("checkpoint %s was written before checkpoints recorded their run (%s): its model, objective and "
                  "DEQ settings are checked from its hyper-parameters, its data are not", path, CHECKPOINT_KEY)

@@ -17,7 +17,7 @@ import lightning.pytorch as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.config.old_runs import clear_stale_norm_of_normalized_block
+from src.config.old_runs import clear_stale_norm_of_normalized_block, upgrade_optimizer_config
 from src.runtime.checkpoints import (
     TRUST_HINT,
     UnsafeCheckpointError,
@@ -39,9 +39,14 @@ def find_run_config(ckpt: Path) -> Path:
     )
 
 
+# what a run's config may build without trust: deqsm classes, and torch's optimisers and schedulers (built partial,
+# on the module's parameters: no file read, no code run)
+SAFE_TARGETS = ("src.", "torch.optim.")
+
+
 def check_targets(cfg: DictConfig, cfg_path: Path, trust: bool = False) -> None:
     """A run's config is a file too: the ``_target_`` s under ``model`` and ``data`` (what src.evaluate and
-    src.sample instantiate) must be deqsm classes (``src.…``), unless the user trusts the run directory: a
+    src.sample instantiate) must be deqsm classes (``src.…``) or ``torch.optim`` ones (:data:`SAFE_TARGETS`), unless the user trusts the run directory: a
     shared run's config naming ``torch.load`` of a file in the run (unpickling runs code) or
     ``pathlib.Path.unlink`` would otherwise be called (Hydra's blocklist stops ``os.system``, ``subprocess``,
     ``shutil.rmtree``…, not these: measured)."""
@@ -54,7 +59,7 @@ def check_targets(cfg: DictConfig, cfg_path: Path, trust: bool = False) -> None:
             where, value = stack.pop()
             if isinstance(value, dict):
                 target = value.get("_target_")
-                if target is not None and not str(target).startswith("src."):
+                if target is not None and not str(target).startswith(SAFE_TARGETS):
                     raise UnsafeCheckpointError(
                         f"run config {cfg_path} has {where}._target_={target}: src.evaluate and src.sample build only "
                         f"deqsm classes (src.…) from a run's config; if you trust this run directory, add {TRUST_HINT}")
@@ -75,6 +80,7 @@ def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None,
     # paths.output_dir holds a ${hydra:...} interpolation when composed by Hydra: pin it to the run dir
     cfg.paths.output_dir = str(run_dir)
     clear_stale_norm_of_normalized_block(cfg)  # a run of an older deqsm (src.config.old_runs)
+    upgrade_optimizer_config(cfg)
     if overrides:
         extra = OmegaConf.from_dotlist(overrides)
         for key in extra:
