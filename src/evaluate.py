@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import sys
 
+from src.runs.errors import report_errors
 from src.runs.evaluation import evaluate
 from src.runs.load import parse_trust, split_arguments
-from src.runtime.errors import report_errors
 
 _OWN_KEYS = ("ckpt_path", "trust_checkpoint")
 

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import sys
 
+from src.runs.errors import report_errors
 from src.runs.load import parse_trust, split_arguments
 from src.runs.sampling import sample_from_checkpoint
-from src.runtime.errors import report_errors
 
 _OWN_KEYS = ("ckpt_path", "n", "seed", "out", "trust_checkpoint")
 

@@ -1,5 +1,5 @@
 """The project's own errors reach the user as one line, without a traceback, and exit non-zero; HYDRA_FULL_ERROR=1
-keeps the traceback (src/runtime/errors.py, at the entry points src.train, src.evaluate, src.sample)."""
+keeps the traceback (src/runs/errors.py, at the entry points src.train, src.evaluate, src.sample)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from src.runtime.errors import is_project_error, one_line
+from src.runs.errors import is_project_error, one_line
 from tests.conftest import FAST, FAST_MODEL, REPO_ROOT
 
 
