@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from src.deq.block import ConvDEQBlock, DenseDEQBlock, NormalizedResidualDEQBlock, ResidualDEQBlock, dense_map
 from src.deq.config import DEQConfig
 from src.deq.implicit import fixed_point
+from tests.derivative_checks import rel
 
 TIGHT = {"tol": 1e-13, "max_iter": 400, "warm_start": False, "norm_lambda": 2.0, "backward": "implicit"}
 REL = 1e-8
@@ -76,10 +77,6 @@ def ssm_vr_loss(energy, x, v):
     s = score(energy, x)
     (grad_vs,) = torch.autograd.grad((s * v).sum(), x, create_graph=True)
     return (0.5 * s.flatten(1).pow(2).sum(1) + (grad_vs * v).flatten(1).sum(1)).mean()
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def flat_grad(loss, params):

@@ -13,6 +13,7 @@ from src.deq import DEQConfig
 from src.deq.diagnostics import recurrence_share
 from src.deq.multiscale import MultiscaleDEQBlock, branch_sizes, group_norm, pack, unpack
 from src.models.ncsn import NCSN
+from tests.derivative_checks import rel, sm_loss_and_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -47,22 +48,6 @@ def make_block(cell: str, channels, **cfg) -> MultiscaleDEQBlock:
                 inj.weight.mul_(30.0)
     block.eval()  # spectral probe vectors fixed: the block and its unroll see the same kernels
     return block
-
-
-def sm_loss_and_grads(fn, x, head, params):
-    """Score s = ∇ₓ e(x) of a small energy head on fn(x), its Hessian trace (second order in x) and the SM loss's
-    parameter gradient (one order more)."""
-    x = x.clone().requires_grad_(True)
-    e = torch.nn.functional.softplus(fn(x).flatten(1) @ head[0]) @ head[1]
-    (s,) = torch.autograd.grad(e.sum(), x, create_graph=True)
-    sf = s.flatten(1)
-    tr = sum(torch.autograd.grad(sf[:, i].sum(), x, create_graph=True)[0].flatten(1)[:, i] for i in range(sf.shape[1]))
-    loss = (0.5 * sf.pow(2).sum(1) + tr).mean()
-    return s, tr, torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def _inputs(block):

@@ -11,6 +11,7 @@ from src.deq import DEQConfig
 from src.deq.block import NormalizedResidualDEQBlock
 from src.deq.diagnostics import recurrence_share
 from src.deq.maps import instance_norm
+from tests.derivative_checks import rel, sm_loss_and_grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -25,20 +26,6 @@ def make_block(**cfg) -> NormalizedResidualDEQBlock:
         for p in (block.gamma1, block.beta1, block.gamma2, block.beta2):
             p.add_(0.3 * torch.randn_like(p))
     return block
-
-
-def sm_loss_and_grads(fn, x, head, params):
-    x = x.clone().requires_grad_(True)
-    e = torch.nn.functional.softplus(fn(x).flatten(1) @ head[0]) @ head[1]
-    (s,) = torch.autograd.grad(e.sum(), x, create_graph=True)
-    sf = s.flatten(1)
-    tr = sum(torch.autograd.grad(sf[:, i].sum(), x, create_graph=True)[0].flatten(1)[:, i] for i in range(sf.shape[1]))
-    loss = (0.5 * sf.pow(2).sum(1) + tr).mean()
-    return s, tr, torch.cat([g.flatten() for g in torch.autograd.grad(loss, params)])
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def test_instance_norm_matches_torch():

@@ -13,6 +13,7 @@ from src.deq.block import ConditionalResidualDEQBlock
 from src.deq.config import DEQConfig, deq_setting
 from src.models.ncsn import NCSN, count_parameters, geometric_sigmas
 from src.models.ncsn_layers import ConditionalInstanceNorm2dPlus
+from tests.derivative_checks import rel
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
@@ -158,10 +159,6 @@ def score_div_ssmvr(net, x, labels, v):
     (gvs,) = torch.autograd.grad((s * v).sum(), x, create_graph=True)
     loss = (0.5 * sf.pow(2).sum(1) + (gvs * v).flatten(1).sum(1)).mean()
     return s, div, loss
-
-
-def rel(a, b):
-    return ((a - b).norm() / b.norm()).item()
 
 
 def flat_grad(loss, params):
