@@ -70,6 +70,7 @@ def install() -> None:
 
     register_resolvers()
     from hydra._internal import defaults_list
+    from hydra.core.override_parser.types import OverrideType
     from hydra.errors import ConfigCompositionException
 
     from src.config.old_runs import old_override
@@ -90,6 +91,8 @@ def install() -> None:
                     raise ConfigCompositionException(str(exc)) from None
                 if today is not None:
                     override.key_or_group, override._value = today
+                    if override.key_or_group.startswith("++"):  # set whether or not the config holds it
+                        override.key_or_group, override.type = override.key_or_group[2:], OverrideType.FORCE_ADD
                 continue
             if override.is_sweep_override():
                 continue

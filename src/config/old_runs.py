@@ -172,6 +172,8 @@ FLAT_NET_KEYS = {
 NCSN_NETS = {"deq": ("twores", ("ngf", "conditioning", "cell", "groups", "cell_activation")),
              "refinenet": ("refinenet", ("ngf", "conditioning")),
              "mdeq": ("mdeq", ("ngf", "conditioning", "cell", "scales", "groups", "cell_activation"))}
+# the keys only some choices hold, and the value conf/model/ncsn.yaml gave each before model.net
+NCSN_OPTIONAL = {"cell": "resblock", "scales": 2, "groups": 4, "cell_activation": "elu"}
 
 
 def upgrade_net_mapping(model: dict[str, Any], family: str | None) -> dict[str, Any]:
@@ -181,10 +183,10 @@ def upgrade_net_mapping(model: dict[str, Any], family: str | None) -> dict[str, 
         return model
     out = dict(model)
     flat = {k: out.pop(k) for k in FLAT_NET_KEYS[family] if k in out}
-    if family == "ncsn":
+    if family == "ncsn":  # a key the choice does not hold, at the value every old config wrote: not the run's own
         arch = flat.get("arch", "deq")
         keys = ("arch", *NCSN_NETS[arch][1]) if arch in NCSN_NETS else tuple(flat)
-        flat = {k: v for k, v in flat.items() if k in keys}
+        flat = {k: v for k, v in flat.items() if k in keys or v != NCSN_OPTIONAL.get(k)}
     out["net"] = {"_target_": NET_TARGETS[family], "_partial_": True, **flat}
     return out
 
@@ -231,10 +233,13 @@ FLAT_KEY = re.compile(r"^model\.(\w+)$")
 def old_net_override(key: str, value: Any, family: str | None, text: str | None = None) -> tuple[str, Any] | None:
     """Today's ``(key, value)`` of an override of a flat network key of ``family`` (the model the command composes):
     ``model.<size>`` as ``model.net.<size>``, NCSN's ``model.arch`` as the ``model/net`` group choice (``deq`` ->
-    ``twores``); None for any other key."""
+    ``twores``); None for any other key. An NCSN key that some choices' configs do not hold (``model.scales``: only
+    ``mdeq``'s) is force-added (key ``++model.net.<k>``), as the flat key was accepted, and unused, by every arch."""
     match = FLAT_KEY.match(str(key))
     if family not in FLAT_NET_KEYS or not match or match.group(1) not in FLAT_NET_KEYS[family]:
         return None
+    if family == "ncsn" and match.group(1) in NCSN_OPTIONAL:  # held by some choices only: set as before (``++``)
+        return f"++model.net.{match.group(1)}", value
     if family != "ncsn" or match.group(1) != "arch":
         return f"model.net.{match.group(1)}", value
     if not (isinstance(value, str) and value in NCSN_NETS):
