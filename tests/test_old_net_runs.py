@@ -81,6 +81,9 @@ def test_a_run_written_before_model_net_loads_for_evaluation_with_its_weights(tm
     assert set(module.state_dict()) == set(state)  # state_dict keys unchanged by model.net
     assert all(torch.equal(v, state[k]) for k, v in module.state_dict().items())
     if name == "ncsn":
+        with pytest.raises(ValueError, match=r"^model\.arch=refinenet: a checkpoint is evaluated with the network it "):
+            load_module(ckpt, [*overrides, "model.arch=refinenet"])
+        assert load_module(ckpt, [*overrides, "model.ngf=2"])[2].model.net.ngf == 2  # a flat size: today's key
         assert OmegaConf.to_container(cfg.model.net) == {
             "_target_": "src.models.ncsn.NCSN", "_partial_": True, "arch": "mdeq", "ngf": 2, "conditioning": "cond_norm",
             "cell": "resblock", "scales": 1, "groups": 4, "cell_activation": "elu"}

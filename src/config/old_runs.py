@@ -15,6 +15,7 @@
   ``model.*`` keys (``model.arch``, ``model.ngf``, ``model.hidden``, …: :data:`FLAT_NET_KEYS`) read as today's
   ``model.net`` (a partial network class, :mod:`src.lit.nets`; NCSN's ``model.arch`` as its ``model/net`` choice,
   with the keys that choice's config holds: :data:`NCSN_NETS`), in a run's config and in a checkpoint's recorded run;
+- :func:`upgrade_run_overrides`: the flat network keys in the overrides of ``src.evaluate`` / ``src.sample``;
 - :func:`old_override`: a command-line override in an old spelling: ``model.optimizer[.<name>].name=sgd`` (in
   recorded commands, e.g. benchmarks/results/separation.md) still works, read as
   ``model.optimizer[.<name>]._target_=torch.optim.SGD``; ``model.optimizer.scheduler`` and ``.params`` stop in one
@@ -204,6 +205,7 @@ def upgrade_net_config(cfg: DictConfig) -> None:
 
 
 def _upgrade_net_identity(identity: dict[str, Any], module: str | None) -> dict[str, Any]:
+    """``identity`` with a family's flat network keys (``model.ngf``) as ``model.net.*`` (:func:`upgrade_net_mapping`)."""
     family = FAMILY_OF_MODULE.get(str(identity.get("model._target_", module)))
     if family is None or any(k.startswith("model.net.") for k in identity):
         return identity
@@ -246,6 +248,22 @@ def old_net_override(key: str, value: Any, family: str | None, text: str | None 
         raise ValueError(f"{text or f'{key}={value}'}: NCSN's network is the model/net group now (conf/model/net/): "
                          f"write model/net=twores (what model.arch=deq was), refinenet or mdeq")
     return "model/net", NCSN_NETS[value][0]
+
+
+def upgrade_run_overrides(overrides: list[str], module: str | None) -> list[str]:
+    """Overrides of a finished run's config (``src.evaluate``, ``src.sample``: ``key=value``) with the flat network keys
+    of its family (``module``: its ``model._target_``) as today's ``model.net.*``; ``model.arch`` is refused in one
+    line (a checkpoint is evaluated with the network it was trained with)."""
+    family = FAMILY_OF_MODULE.get(str(module))
+    out = []
+    for override in overrides:
+        key, _, value = override.partition("=")
+        today = old_net_override(key.lstrip("+"), value, family, override)
+        if today is not None and today[0] == "model/net":
+            raise ValueError(f"{override}: a checkpoint is evaluated with the network it was trained with (its run's "
+                             "model.net); leave the architecture out")
+        out.append(override if today is None else f"{today[0].lstrip('+')}={value}")
+    return out
 
 
 def old_override(key: str, value: Any, sweep: bool = False, text: str | None = None,

@@ -49,7 +49,8 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.LightningModule):
-    """Base of every family (see the module docstring). Subclasses set ``self.net`` and may override:
+    """Base of every family (see the module docstring). Subclasses set ``self.net`` (from ``model.net`` with
+    :meth:`build_net`) and may override:
 
     - ``eval_model()``: the object the score-based metrics differentiate (``log_density`` and/or ``score``);
     - ``log_likelihood_metrics(x) -> {name: [B]}`` and ``log_likelihood_constants() -> {key: float}``;

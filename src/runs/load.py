@@ -21,6 +21,7 @@ from src.config.old_runs import (
     clear_stale_norm_of_normalized_block,
     upgrade_net_config,
     upgrade_optimizer_config,
+    upgrade_run_overrides,
 )
 from src.runtime.checkpoints import (
     TRUST_HINT,
@@ -87,7 +88,7 @@ def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None,
     upgrade_optimizer_config(cfg)
     upgrade_net_config(cfg)
     if overrides:
-        extra = OmegaConf.from_dotlist(overrides)
+        extra = OmegaConf.from_dotlist(upgrade_run_overrides(list(overrides), cfg.model.get("_target_")))
         for key in extra:
             if isinstance(cfg.get(key), DictConfig) and not isinstance(extra[key], DictConfig):
                 family = cfg[key].get("_target_", "") if key == "model" else ""
