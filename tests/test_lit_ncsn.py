@@ -160,7 +160,7 @@ def test_both_conditionings_train(tmp_path, conditioning):
 
 
 def test_unknown_conditioning_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="model.conditioning='film' is unknown; valid: cond_norm, sigma"):
+    with pytest.raises(ValueError, match="model.net.conditioning='film' is unknown; valid: cond_norm, sigma"):
         lit_module(tmp_path, ["loss=ssm_vr", "model.conditioning=film"])
 
 
