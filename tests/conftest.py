@@ -28,7 +28,7 @@ SHARED_DATA = REPO_ROOT.parent / "shared" / "data"
 FAST_MODEL = [
     "logger=none",
     "callbacks=minimal",
-    "model.n_inducing=16",
+    "model.net.n_inducing=16",
     "model.alpha_refit_points=48",
     "model.metrics.log_likelihood.samples=2000",
 ]

@@ -206,12 +206,14 @@ def test_lib_runs_a_modules_own_training_step_outside_a_trainer():
 
     from src.lit.dkef import DKEFLitModule
     from src.lit.vae import VAELitModule
+    from src.models.dkef import DKEF
 
     x = torch.randn(8, 2, generator=torch.Generator().manual_seed(0))
     modules = []
     for _ in range(2):
         torch.manual_seed(0)
-        modules.append(DKEFLitModule(2, loss={"name": "sm"}, n_inducing=4, feature_dim=3, hidden=4, depth=1,
+        net = functools.partial(DKEF, n_inducing=4, feature_dim=3, hidden=4)
+        modules.append(DKEFLitModule(2, loss={"name": "sm"}, net=net, depth=1,
                                      optimizer=functools.partial(torch.optim.Adam, lr=0.01)))
     optimizers = step.trainer_free(modules[0])
     loss = step.training_step(modules[0], x, optimizers)
@@ -224,7 +226,8 @@ def test_lib_runs_a_modules_own_training_step_outside_a_trainer():
         assert torch.allclose(a, b, atol=1e-7)
 
     torch.manual_seed(0)
-    vae = VAELitModule((1, 4, 4), loss={"name": "ssm"}, depth=0, latent_dim=2, hidden=8, channels=4,
+    vae = VAELitModule((1, 4, 4), loss={"name": "ssm"}, depth=0,
+                       net={"_target_": "src.models.vae.build_vae_networks", "latent_dim": 2, "hidden": 8, "channels": 4},
                        optimizer={"score": {"_target_": "torch.optim.Adam", "lr": 0.01},
                                   "vae": {"_target_": "torch.optim.Adam", "lr": 0.01}})
     before = {n: p.detach().clone() for n, p in vae.named_parameters()}

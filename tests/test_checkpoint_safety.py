@@ -147,8 +147,9 @@ def test_checkpoint_of_another_family_or_shape_is_named(dkef_run, tmp_path):
     from src.runs.sampling import sample_from_checkpoint
 
     last = dkef_run / "checkpoints" / "last.ckpt"
-    with pytest.raises(CheckpointError, match=r"does not fit this DKEFLitModule: shapes differ: .*\[16, "):
-        evaluate(last, ["model.n_inducing=8"])
+    for size in ("model.net.n_inducing=8", "model.n_inducing=8"):  # today's spelling and the flat one of old
+        with pytest.raises(CheckpointError, match=r"does not fit this DKEFLitModule: shapes differ: .*\[16, "):
+            evaluate(last, [size])
     with pytest.raises(ValueError, match=r"model=nice would replace the run's whole model config"):
         evaluate(last, ["model=nice"])
     with pytest.raises(ValueError, match=r"model=nice would replace"):

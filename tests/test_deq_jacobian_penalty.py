@@ -161,8 +161,8 @@ def test_dkef_training_loss_carries_the_penalty_and_takes_the_autograd_route():
 
     torch.manual_seed(0)
     module = DKEFLitModule(3, loss={"name": "sm"}, deq={"enabled": True, "jacobian_penalty": 2.0,
-                                                        "jacobian_penalty_rows": 0}, depth=None, n_inducing=8,
-                           deq_width=6)
+                                                        "jacobian_penalty_rows": 0}, depth=None,
+                           net={"_target_": "src.models.dkef.DKEF", "n_inducing": 8, "deq_width": 6})
     assert not module.net.jets_supported()
     module.train()
     logged = {}

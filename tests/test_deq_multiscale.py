@@ -229,17 +229,17 @@ def test_ncsn_builds_the_multiresolution_and_cell_designs(arch, cell, conditioni
 
 
 def test_ncsn_refuses_what_it_cannot_build():
-    with pytest.raises(ValueError, match="model.arch=mdeq is a multi-resolution equilibrium: give deq=true"):
+    with pytest.raises(ValueError, match="model/net=mdeq is a multi-resolution equilibrium: give deq=true"):
         NCSN(1, _sigmas(), arch="mdeq", deq=None)
-    with pytest.raises(ValueError, match="model.cell='nope' is unknown"):
+    with pytest.raises(ValueError, match="model.net.cell='nope' is unknown"):
         NCSN(1, _sigmas(), arch="deq", deq=DEQConfig(), cell="nope")
     with pytest.raises(ValueError, match="add deq.block=null"):
         NCSN(1, _sigmas(), arch="mdeq", deq=DEQConfig(block="normalized_residual"))
-    with pytest.raises(ValueError, match="model.cell=mdeq_gn is the DEQ map's cell"):
+    with pytest.raises(ValueError, match="model.net.cell=mdeq_gn is the DEQ map's cell"):
         NCSN(1, _sigmas(), arch="deq", deq=None, cell="mdeq_gn")
-    with pytest.raises(ValueError, match=r"deq.norm=spectral deq.norm_lambda=1.5 does not apply to model.cell=mdeq_gn"):
+    with pytest.raises(ValueError, match=r"deq.norm=spectral deq.norm_lambda=1.5 does not apply to model.net.cell=mdeq_gn"):
         NCSN(1, _sigmas(), arch="mdeq", deq=DEQConfig(norm="spectral", norm_lambda=1.5), cell="mdeq_gn", ngf=4)
-    with pytest.raises(ValueError, match=r"deq.norm_lambda=3 does not apply to model.cell=mdeq_gn"):
+    with pytest.raises(ValueError, match=r"deq.norm_lambda=3 does not apply to model.net.cell=mdeq_gn"):
         NCSN(1, _sigmas(), arch="deq", deq=DEQConfig(norm_lambda=3), cell="mdeq_gn", ngf=4)
     with pytest.raises(ValueError, match="deq.norm='none' is not available for convolutional DEQ blocks"):
         NCSN(1, _sigmas(), arch="mdeq", deq=DEQConfig(norm="none"), ngf=4)

@@ -111,8 +111,8 @@ def test_training_step_with_both_halves_in_one_pass_is_the_two_call_step(case):
 
     keys = dict(CASES[case])
     torch.manual_seed(0)
-    module = DKEFLitModule(5, loss={"name": "sm", "trace_route": "auto"}, n_inducing=7, feature_dim=4, hidden=6,
-                           deq_width=6, **keys).double()
+    net = {"_target_": "src.models.dkef.DKEF", "n_inducing": 7, "feature_dim": 4, "hidden": 6, "deq_width": 6}
+    module = DKEFLitModule(5, loss={"name": "sm", "trace_route": "auto"}, net=net, **keys).double()
     x = torch.randn(12, 5, dtype=torch.float64)
     assert module._fused_exact_sm(x)
     fused = module.training_objective(x)

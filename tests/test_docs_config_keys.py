@@ -90,14 +90,15 @@ def _flat_keys(tree: dict, prefix: str = "") -> set[str]:
 
 @lru_cache(maxsize=1)
 def known_keys() -> frozenset[str]:
-    """Every config key of every option of every group (each group option composed on its own, and each
-    experiment), the keys a documented ``group.key`` may name."""
+    """Every config key of every option of every group (each group option composed on its own, each NCSN
+    ``model/net`` choice, and each experiment), the keys a documented ``group.key`` may name."""
     variants = [[]]
     for group in ("model", "data", "loss", "trainer", "callbacks", "logger", "experiment", "eval"):
         folder = CONF_DIR / group
         if folder.is_dir():
             variants += [[f"{group}={p.stem}"] for p in sorted(folder.glob("*.yaml"))]
     variants += [["deq=true"], ["deq=false"], ["ema=true"]]
+    variants += [["model=ncsn", f"model/net={p.stem}"] for p in sorted((CONF_DIR / "model" / "net").glob("*.yaml"))]
     keys: set[str] = set()
     for overrides in variants:
         cfg = compose_train(overrides)

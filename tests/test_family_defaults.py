@@ -49,7 +49,7 @@ def test_an_image_family_composes_with_the_named_data(family):
 ])
 def test_the_size_choice_is_visible_and_overridable(overrides, ngf, batch):
     cfg = _compose("model=ncsn", "data=mnist_images", *overrides)
-    assert (cfg.model.ngf, cfg.data.batch_size) == (ngf, batch)
+    assert (cfg.model.net.ngf, cfg.data.batch_size) == (ngf, batch)
 
 
 @pytest.mark.parametrize(("overrides", "block"), [

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.skipif(
 # Two trials of two tiny epochs each; checkpoints monitor val/sm_loss, so each job returns its best epoch's score.
 SWEEP = ["-m", "hparams_search=dkef_optuna", "hydra.sweeper.n_trials=2", *FAST, "callbacks=default",
          "trainer.enable_progress_bar=false", "trainer.max_epochs=2"]
-PARAMS = {"model.optimizer.lr", "deq.norm_lambda", "model.deq_width", "loss"}
+PARAMS = {"model.optimizer.lr", "deq.norm_lambda", "model.net.deq_width", "loss"}
 
 
 def sweep(tmp: Path, mode: str) -> tuple[dict, list[tuple[dict, float]]]:

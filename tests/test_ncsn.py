@@ -118,7 +118,7 @@ def test_sigma_conditioning_parameters_do_not_grow_with_levels():
 
 
 def test_unknown_conditioning_is_refused():
-    with pytest.raises(ValueError, match="model.conditioning='film' is unknown; valid: cond_norm, sigma"):
+    with pytest.raises(ValueError, match="model.net.conditioning='film' is unknown; valid: cond_norm, sigma"):
         NCSN(1, SIGMAS, arch="deq", ngf=4, conditioning="film")
 
 

@@ -27,7 +27,8 @@ def tiny(arch: str, loss: str, states: int, gamma: float = 0.7, **deq) -> NCSNLi
            "correction_gamma": gamma, "norm": "frobenius", "norm_lambda": 1.05,
            "block": None, **deq}
     torch.manual_seed(0)
-    lit = NCSNLitModule(SHAPE, {"name": loss}, deq=cfg, arch=arch, ngf=4, scales=2,
+    net = {"_target_": "src.models.ncsn.NCSN", "arch": arch, "ngf": 4, "scales": 2}
+    lit = NCSNLitModule(SHAPE, {"name": loss}, net=net, deq=cfg,
                         noise={"sigma_begin": 1.0, "sigma_end": 0.1, "num_classes": LEVELS}).double()
     lit.train()
     return lit

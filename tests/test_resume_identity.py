@@ -22,11 +22,11 @@ CKPT = ["logger=none", "callbacks=none", "+callbacks.last_checkpoint._target_=sr
 
 FAMILIES = {
     "dkef": [*FAST, "model=dkef", "loss=sm", "deq=true"],
-    "nice": ["model=nice", "data=mnist", "data.limit=100", "data.batch_size=16", "model.hidden=16",
-             "model.deq_width=16", "model.n_couplings=2", "loss=ssm", "deq=true"],
-    "vae": ["experiment=vae_mnist", "data.limit=64", "data.batch_size=16", "model.latent_dim=4", "model.hidden=16",
-            "model.channels=8", "deq=true"],
-    "ncsn": ["model=ncsn", "data=mnist_images", "data.limit=48", "data.batch_size=8", "model.ngf=4",
+    "nice": ["model=nice", "data=mnist", "data.limit=100", "data.batch_size=16", "model.net.hidden=16",
+             "model.net.deq_width=16", "model.net.n_couplings=2", "loss=ssm", "deq=true"],
+    "vae": ["experiment=vae_mnist", "data.limit=64", "data.batch_size=16", "model.net.latent_dim=4",
+            "model.net.hidden=16", "model.net.channels=8", "deq=true"],
+    "ncsn": ["model=ncsn", "data=mnist_images", "data.limit=48", "data.batch_size=8", "model.net.ngf=4",
              "model.noise.num_classes=3", "loss=ssm_vr", "deq=true"],
 }
 # per family: a changed run (overrides) -> the keys the refusal must name
@@ -90,7 +90,7 @@ def test_a_resume_refuses_another_run_and_allows_what_may_change(tmp_path, reque
 def test_a_checkpoint_of_an_older_version_is_checked_through_its_hyper_parameters(caplog):
     """A checkpoint without deqsm_run: its model's saved hyper-parameters stand for its run (data unchecked)."""
     here = {"model._target_": "src.lit.dkef.DKEFLitModule", "loss.name": "ssm_vr", "loss.n_projections": 1,
-            "deq.max_iter": 30, "model.n_kernels": 3, "data.dim": 10, "data.n_train": 96}
+            "deq.max_iter": 30, "model.net.n_kernels": 3, "data.dim": 10, "data.n_train": 96}
     old = {"hyper_parameters": {"input_dim": 10, "loss": {"name": "sm", "trace_route": "auto"},
                                 "deq": {"max_iter": 30}, "n_kernels": 3, "metrics": {"exact_sm": {}}}}
     with caplog.at_level(logging.INFO, logger="src.runs.identity"), \

@@ -135,7 +135,7 @@ def test_optuna_sweep_goes_on_past_trials_that_never_validated(tmp_path):
         assert f["reason"].endswith("before its first validation); validate before the run ends (more steps, "
                                     "trainer.val_check_interval) or optimise a logged key")
         assert {o.split("=")[0] for o in f["overrides"]} == {"model.optimizer.lr", "deq.norm_lambda",
-                                                             "model.deq_width", "loss"}  # the sampled ones
+                                                             "model.net.deq_width", "loss"}  # the sampled ones
     assert (tmp_path / "0" / "metrics.json").is_file() and (tmp_path / "1" / "metrics.json").is_file()
     assert yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())["best_params"] is None
 

@@ -68,9 +68,10 @@ def test_shared_inducing_features_give_the_same_step(kind, monkeypatch):
     """The DKEF training objective (α on one half, exact SM on the other) with φ(inducing points) computed once
     against the same objective computing it for the fit and again for the loss."""
     torch.manual_seed(0)
-    module = DKEFLitModule(4, loss={"name": "sm"}, deq=DEQ if kind == "deq" else None, depth=2, n_inducing=7,
-                           feature_dim=5, hidden=6, deq_width=6,
-                           exact_route="autograd").double()  # the jet route's step computes φ(z) once anyway
+    net = {"_target_": "src.models.dkef.DKEF", "n_inducing": 7, "feature_dim": 5, "hidden": 6, "deq_width": 6,
+           "exact_route": "autograd"}
+    module = DKEFLitModule(4, loss={"name": "sm"}, net=net, deq=DEQ if kind == "deq" else None,
+                           depth=2).double()  # the jet route's step computes φ(z) once anyway
     x = torch.randn(12, 4, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     calls = []
     features = DKEF._all_features

@@ -56,25 +56,55 @@ def optimizer_of(family: str, root: Path = ROOT) -> dict:
     return OmegaConf.to_container(OmegaConf.load(root / "conf" / "model" / f"{family}.yaml").optimizer)
 
 
+# NCSN's model/net choice of each ``arch`` (conf/model/net/<choice>.yaml)
+NCSN_NET_CHOICES = {"deq": "twores", "refinenet": "refinenet", "mdeq": "mdeq"}
+
+
+def net_of(family: str, root: Path = ROOT, choice: str | None = None, **sizes) -> dict:
+    """``model.net`` of ``conf/model/<family>.yaml`` (NCSN: ``conf/model/net/<choice>.yaml``) of the tree at ``root``,
+    with ``sizes`` over its own."""
+    from omegaconf import OmegaConf
+
+    conf = root / "conf" / "model"
+    net = OmegaConf.load(conf / "net" / f"{choice}.yaml") if choice else OmegaConf.load(conf / f"{family}.yaml").net
+    return {**OmegaConf.to_container(net), **sizes}
+
+
+def net_arguments(module_cls, family: str, choice: str | None = None, **sizes) -> dict:
+    """The network arguments of ``module_cls``: ``net``, the config's ``model.net`` with ``sizes`` over its own
+    (:func:`net_of`), where the module takes one; else ``sizes`` as the flat keyword arguments of a revision written
+    before ``model.net`` (``profile_step --at``)."""
+    import inspect
+
+    if "net" not in inspect.signature(module_cls.__init__).parameters:
+        return dict(sizes)
+    return {"net": net_of(family, choice=choice, **sizes)}
+
+
 def dkef_module(dim: int, deq: bool, depth: int | None, loss: str = "sm", optimizer: dict | None = None,
                 **sizes):
     """The ``model=dkef`` module on D = ``dim``: DEQ features (:func:`deq_settings`) or ``depth`` explicit layers,
-    the ``loss`` objective, ``sizes`` (``hidden``, ``deq_width``, …) as ``DKEFLitModule`` takes them."""
+    the ``loss`` objective, ``sizes`` (``hidden``, ``deq_width``, …) as ``model.net`` takes them."""
     from src.lit.dkef import DKEFLitModule
 
     extra = {} if optimizer is None else {"optimizer": optimizer}
-    return DKEFLitModule(dim, loss={"name": loss}, deq=deq_settings(deq), depth=depth, **extra, **sizes)
+    return DKEFLitModule(dim, loss={"name": loss}, deq=deq_settings(deq), depth=depth, **extra,
+                         **net_arguments(DKEFLitModule, "dkef", **sizes))
 
 
 def ncsn_module(arch: str, deq: bool, depth: int | None, ngf: int = 128, optimizer: dict | None = None,
-                loss: dict | None = None, deq_overrides: dict | None = None, **settings):
-    """The ``model=ncsn`` module at 3×32×32: ``arch`` (``deq``: the DEQ-ResBlock network, a DEQ or ``depth``
-    plain ResBlocks; ``refinenet``), ngf, the SSM-VR loss (``loss``), the optimiser of ``conf/model/ncsn.yaml``;
-    ``settings`` (``conditioning``, ``noise``) as ``NCSNLitModule`` takes them."""
+                loss: dict | None = None, deq_overrides: dict | None = None, conditioning: str = "cond_norm",
+                **settings):
+    """The ``model=ncsn`` module at 3×32×32: ``arch`` (``deq``: the DEQ-ResBlock network, ``model/net=twores``, a
+    DEQ or ``depth`` plain ResBlocks; ``refinenet``; ``mdeq``), ngf and ``conditioning`` (its ``model.net``), the
+    SSM-VR loss (``loss``), the optimiser of ``conf/model/ncsn.yaml``; ``settings`` (``noise``) as
+    ``NCSNLitModule`` takes them."""
     from src.lit.ncsn import NCSNLitModule
 
+    net = net_arguments(NCSNLitModule, "ncsn", choice=NCSN_NET_CHOICES[arch], arch=arch, ngf=ngf,
+                        conditioning=conditioning)
     return NCSNLitModule((3, 32, 32), loss=loss or {"name": "ssm_vr"}, deq=deq_settings(deq, **(deq_overrides or {})),
-                         depth=depth, arch=arch, ngf=ngf, optimizer=optimizer or optimizer_of("ncsn"), **settings)
+                         depth=depth, optimizer=optimizer or optimizer_of("ncsn"), **net, **settings)
 
 
 def vae_module(shape: tuple[int, ...], depth: int | None, deq: bool, latent: int = 32, channels: int = 64,
@@ -85,9 +115,10 @@ def vae_module(shape: tuple[int, ...], depth: int | None, deq: bool, latent: int
     from src.lit.vae import VAELitModule
 
     deq_cfg = {"enabled": True, "injection": "linear"} if deq else None
-    return VAELitModule(shape, loss={"name": "ssm"}, deq=deq_cfg, depth=depth, arch="conv", latent_dim=latent,
-                        hidden=256, channels=channels, enc_channels=channels, likelihood="gaussian",
-                        learn_sigma=True, optimizer=optimizer or optimizer_of("vae"))
+    net = net_arguments(VAELitModule, "vae", arch="conv", latent_dim=latent, hidden=256, channels=channels,
+                        enc_channels=channels, likelihood="gaussian", learn_sigma=True)
+    return VAELitModule(shape, loss={"name": "ssm"}, deq=deq_cfg, depth=depth,
+                        optimizer=optimizer or optimizer_of("vae"), **net)
 
 
 def redwine_rows(data_root: str | None, n: int, generator):

@@ -16,8 +16,8 @@ tensors; measured on the CPU for a DEQ-NCSN SSM-VR step (ngf 16, batch 32, one t
 0.53 GB for 0.33 GB of saved tensors (1.6×). At the paper's NCSN sizes (ngf 64, batch 128) the probes give
 42.7 MB per sample, an estimate of 8.6 GB on top of 1.2 GB held, where the issue's run grew past 10 GB. The
 estimate is logged; when it exceeds the free memory (the CUDA device's free memory on a GPU, else MemAvailable and the cgroup's limit) a warning gives
-the figure and the keys that lower it: ``data.batch_size``, the family's width keys (``model.ngf``,
-``model.channels``, …) and the DEQ backward (``deq.backward=implicit``: saved bytes independent of the solver;
+the figure and the keys that lower it: ``data.batch_size``, the family's width keys (``model.net.ngf``,
+``model.net.channels``, …) and the DEQ backward (``deq.backward=implicit``: saved bytes independent of the solver;
 ``deq.phantom_steps``).
 
 The probes change nothing: parameters are not stepped (gradients are dropped; a manually optimised family's
@@ -128,12 +128,14 @@ def estimate_step_bytes(probes: dict[int, int], batch_size: int, param_bytes: in
 
 def lowering_hints(hparams, deq, batch_size: int) -> str:
     """The keys that lower a step's memory, with their values in this run; ``hparams``: the module's saved
-    hyper-parameters (its ``model.*`` keys); ``deq``: its DEQ setting (a ``DEQConfig``, or None for explicit layers)."""
+    hyper-parameters (its ``model.*`` keys, the network's under ``net``); ``deq``: its DEQ setting (a ``DEQConfig``, or None for explicit layers)."""
     hints = [f"data.batch_size (now {batch_size})"]
+    net = (hparams.get("net") if hparams is not None else None) or {}  # model.net's sizes (src.lit.nets)
     for key in WIDTH_KEYS:
-        value = hparams.get(key) if hparams is not None else None
+        where, value = (f"model.net.{key}", net[key]) if key in net else (
+            f"model.{key}", hparams.get(key) if hparams is not None else None)
         if isinstance(value, int) and not isinstance(value, bool):
-            hints.append(f"model.{key} (now {value})")
+            hints.append(f"{where} (now {value})")
     if deq is not None and deq.backward == "phantom":
         hints.append(f"deq.backward=implicit or fewer deq.phantom_steps (now {deq.phantom_steps})")
     return ", ".join(hints)

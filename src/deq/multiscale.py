@@ -31,7 +31,7 @@ multiscale fusion. Two cells (``cell``):
   (``last_stats``: iterations, ``hit_cap``), as for the ``normalized_residual`` block.
 
 With one resolution (``channels`` of length 1) the block is a single-resolution DEQ with that cell: NCSN's
-``model.cell=mdeq_gn`` at ``model.arch=deq``.
+``model.net.cell=mdeq_gn`` at ``model/net=twores``.
 
 Because the branch shapes depend on the input's spatial size, the block keeps one map object per size and
 ``map_params(x)`` selects it as ``self.phi`` before returning p (every caller of φ — solve, phantom steps,
@@ -187,7 +187,7 @@ class MultiscaleDEQBlock(DEQBlock):
                  config: DEQConfig | None = None, name: str = "deq"):
         super().__init__(config, name)
         if cell not in CELLS:
-            raise ValueError(f"model.cell={cell!r} is unknown; valid: {', '.join(CELLS)}")
+            raise ValueError(f"model.net.cell={cell!r} is unknown; valid: {', '.join(CELLS)}")
         if activation not in _ACTS:
             raise ValueError(f"cell activation={activation!r} is unknown; valid: {', '.join(CELL_ACTIVATIONS)}")
         if int(kernel_size) % 2 != 1:
@@ -199,9 +199,9 @@ class MultiscaleDEQBlock(DEQBlock):
             raise ValueError(f"groups={groups} must divide every branch width {list(self.channels)} (group norm)")
         if self.config.block is not None:
             raise ValueError(f"deq.block={self.config.block} is another block's map; the multi-resolution / "
-                             f"model.cell={cell} block builds its own: add deq.block=null")
+                             f"model.net.cell={cell} block builds its own: add deq.block=null")
         if cell == "mdeq_gn" and self.config.norm_given:
-            raise ValueError(f"{' '.join(self.config.norm_given)} does not apply to model.cell=mdeq_gn (its kernels "
+            raise ValueError(f"{' '.join(self.config.norm_given)} does not apply to model.net.cell=mdeq_gn (its kernels "
                              "are not weight-normalised: the group norms after them cancel their scale): drop it")
         # the resblock cell's kernels: the deq.norm strategy of the registry (src.deq.normalization), kind conv
         self.normalizer = (make_norm(self.config.norm, "conv", self.config.norm_lambda, lipschitz_safe=True)

@@ -31,6 +31,7 @@ from src.data.contract import ScoreDataModule, require_contract
 from src.deq.config import DEQConfig, deq_setting
 from src.deq.core import correction_weights
 from src.lit.deq_monitor import DEQMonitorMixin
+from src.lit.nets import complete_net, net_factory, net_hparams
 from src.lit.optimizers import OptimizersMixin, optimizer_factories, scheduler_factory
 from src.lit.resume import ResumeHooksMixin
 from src.metrics.registry import build_metrics
@@ -48,7 +49,8 @@ class NonFiniteLossError(FloatingPointError):
 
 
 class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.LightningModule):
-    """Base of every family (see the module docstring). Subclasses set ``self.net`` and may override:
+    """Base of every family (see the module docstring). Subclasses set ``self.net`` (from ``model.net`` with
+    :meth:`build_net`) and may override:
 
     - ``eval_model()``: the object the score-based metrics differentiate (``log_density`` and/or ``score``);
     - ``log_likelihood_metrics(x) -> {name: [B]}`` and ``log_likelihood_constants() -> {key: float}``;
@@ -61,6 +63,8 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
     # The run's DEQ setting, parsed once from the ``deq`` config group where the module is built (__init__): a
     # DEQConfig, or None for explicit layers. The family hands it to its network; nothing below parses it again.
     deq: DEQConfig | None = None
+    # The family's network class (or builder): what model.net builds when a module built in code is given none.
+    default_net: Any = None
     # The training objective (model.loss), built once here from the config by
     # src.objectives.registry.objective_from_config; a family without one (the supervised studies) sets None.
     default_loss: str | None = None  # the family's objective when model.loss names none
@@ -99,6 +103,15 @@ class DeqsmModule(OptimizersMixin, DEQMonitorMixin, ResumeHooksMixin, L.Lightnin
         self._data: ScoreDataModule | None = None
         self._deq_inputs: dict[str, tuple] = {}
         self._deq_hooks: list = []
+
+    # ------------------------------------------------------------------ network
+    def build_net(self, net: Any, **given: Any):
+        """The family's network from ``model.net`` (a partial class, :mod:`src.lit.nets`; None: ``default_net`` with
+        its own defaults), completed by ``given`` (what the module knows: data dimensions, ``deq=self.deq``,
+        ``depth``). The net's config is kept as the ``net`` hyper-parameter (plain values)."""
+        factory = net_factory(net if net is not None else type(self).default_net)  # (a function: not bound)
+        self.hparams["net"] = net_hparams(factory)
+        return complete_net(factory, **given)
 
     # ------------------------------------------------------------------ data and dtype
     def datamodule(self) -> ScoreDataModule:

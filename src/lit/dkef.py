@@ -36,22 +36,19 @@ FINAL_REFIT_KEYS = ("lambda_steps", "lr")
 
 
 class DKEFLitModule(ScoreMatchingModule):
+    """See the module docstring. ``net``: ``model.net``, a partial :class:`src.models.dkef.DKEF` (its sizes; the module
+    adds ``input_dim`` = ``data.dim``, the parsed ``deq`` setting and ``depth``)."""
+
     family = "dkef"
+    default_net = DKEF
 
     def __init__(
         self,
         input_dim: int,
         loss: Mapping,
+        net: Any = None,
         deq: Mapping | None = None,
         depth: int | None = None,
-        n_kernels: int = 3,
-        n_inducing: int = 200,
-        feature_dim: int = 30,
-        hidden: int = 30,
-        deq_width: int = 64,
-        log_lambda_init: float = -2.0,
-        q0_std: float = 2.0,
-        exact_route: str = "auto",
         alpha_fit: str = "auto",
         alpha_refit_points: int = 1000,
         final_refit: Mapping | None = None,
@@ -66,7 +63,7 @@ class DKEFLitModule(ScoreMatchingModule):
                 "intractable. Use loss=sm|ssm|ssm_vr|dsm|cp with model=dkef."
             )
         super().__init__(loss=loss, optimizer=optimizer, scheduler=scheduler, metrics=metrics, deq=deq)
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not hyper-parameters
+        self.save_hyperparameters(ignore=["optimizer", "scheduler", "net"])  # partials: not hyper-parameters
         self.alpha_refit_points = int(alpha_refit_points)
         self.final_refit = self._checked_final_refit(final_refit)
         self._final_refit_results: dict[str, float] = {}
@@ -76,11 +73,7 @@ class DKEFLitModule(ScoreMatchingModule):
         if alpha_fit not in ALPHA_FIT_MODES:
             raise ValueError(f"model.alpha_fit={alpha_fit!r} is invalid; valid: auto, {', '.join(ALPHA_FIT_MODES)}")
         self.alpha_fit = alpha_fit
-        self.net = DKEF(
-            input_dim, deq=self.deq, depth=depth, n_kernels=n_kernels, n_inducing=n_inducing,
-            feature_dim=feature_dim, hidden=hidden, deq_width=deq_width, log_lambda_init=log_lambda_init,
-            q0_std=q0_std, exact_route=exact_route,
-        )
+        self.net = self.build_net(net, input_dim=input_dim, deq=self.deq, depth=depth)
 
     @staticmethod
     def _checked_final_refit(spec: Mapping | None) -> dict | None:

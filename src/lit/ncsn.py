@@ -22,9 +22,11 @@ from typing import Any
 
 import torch
 
+from src.config.partials import partial_argument
 from src.config.values import plain
 from src.deq.lookup import blocks_of
 from src.lit.base import ScoreMatchingModule, batch_tensor
+from src.lit.nets import net_factory
 from src.models.ncsn import DEQ_ARCHS, NCSN, geometric_sigmas
 from src.objectives.conditional import LabelConditioned, noise_conditional
 from src.objectives.registry import get_objective
@@ -49,7 +51,12 @@ def diagnostic_levels(n: int, num_levels: int) -> torch.Tensor:
 
 
 class NCSNLitModule(ScoreMatchingModule):
+    """See the module docstring. ``net``: ``model.net`` (the ``model/net`` group: ``twores``, ``refinenet``, ``mdeq``),
+    a partial :class:`src.models.ncsn.NCSN` (its architecture and sizes); the module adds the image channels, the
+    noise levels of ``noise``, ``centered_input`` (``pixel_range``), the parsed ``deq`` setting and ``depth``."""
+
     family = "ncsn"
+    default_net = NCSN
     default_loss, train_losses = "ssm_vr", TRAIN_LOSSES  # noise-conditional forms only
     ignored_loss_keys = ("sigma",)  # dsm: every sample's own noise level replaces the fixed sigma
     outputs_score = True  # s(x, i) directly: DSM has no derivative through the DEQ, SSM-VR's divergence has
@@ -59,15 +66,9 @@ class NCSNLitModule(ScoreMatchingModule):
         self,
         data_shape: Sequence[int],
         loss: Mapping,
+        net: Any = None,
         deq: Mapping | None = None,
         depth: int | None = None,
-        arch: str = "deq",
-        ngf: int = 64,
-        conditioning: str = "cond_norm",
-        cell: str = "resblock",
-        scales: int = 2,
-        groups: int = 4,
-        cell_activation: str = "elu",
         pixel_range: str = "unit",
         noise: Mapping | None = None,
         anneal_power: float = 2.0,
@@ -80,9 +81,11 @@ class NCSNLitModule(ScoreMatchingModule):
         monitor_mode: str | None = "min",
     ):
         loss, deq, noise, sampling, metrics = (plain(c) for c in (loss, deq, noise, sampling, metrics))
+        net = net_factory(net if net is not None else NCSN)
+        uses_deq = partial_argument(net, "arch", "deq") in DEQ_ARCHS  # model/net=refinenet: no DEQ, ignores deq
         super().__init__(optimizer=optimizer, scheduler=scheduler, metrics=metrics, monitor=monitor, monitor_mode=monitor_mode,
-                         loss=loss, deq=deq if arch in DEQ_ARCHS else None)  # refinenet: no DEQ, ignores deq
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not hyper-parameters
+                         loss=loss, deq=deq if uses_deq else None)
+        self.save_hyperparameters(ignore=["optimizer", "scheduler", "net"])  # partials: not hyper-parameters
         self.anneal_power = float(anneal_power)
         noise = {"sigma_begin": 1.0, "sigma_end": 0.01, "num_classes": 10, **(noise or {})}
         sigmas = geometric_sigmas(float(noise["sigma_begin"]), float(noise["sigma_end"]), int(noise["num_classes"]))
@@ -90,9 +93,8 @@ class NCSNLitModule(ScoreMatchingModule):
             raise ValueError(f"pixel_range={pixel_range!r}: unit | symmetric")
         self.pixel_range = pixel_range
         self.data_shape = tuple(int(s) for s in data_shape)
-        self.net = NCSN(self.data_shape[0], sigmas, arch=arch, ngf=ngf, deq=self.deq, depth=depth,
-                        centered_input=pixel_range == "unit", conditioning=conditioning, cell=cell,
-                        scales=scales, groups=groups, cell_activation=cell_activation)
+        self.net = self.build_net(net, channels=self.data_shape[0], sigmas=sigmas, deq=self.deq, depth=depth,
+                                  centered_input=pixel_range == "unit")
         unknown = set(sampling or {}) - set(SAMPLING_DEFAULTS)
         if unknown:
             raise ValueError(f"model.sampling: unknown key(s) {sorted(unknown)}; valid: {', '.join(SAMPLING_DEFAULTS)}")

@@ -14,24 +14,25 @@ from typing import Any
 import torch
 
 from src.config.values import plain
-from src.deq.config import resolve_depth
 from src.lit.base import ScoreMatchingModule
 from src.metrics.registry import metric_options
-from src.models.nice import NICE, deq_coupling_factory
+from src.models.nice import build_nice
 
 
 class NICELitModule(ScoreMatchingModule):
+    """See the module docstring. ``net``: ``model.net``, a partial :func:`src.models.nice.build_nice` (its sizes; the
+    module adds ``dim`` = ``data.dim``, the parsed ``deq`` setting and ``depth``)."""
+
     family = "nice"
+    default_net = build_nice
 
     def __init__(
         self,
         input_dim: int,
         loss: Mapping,
+        net: Any = None,
         deq: Mapping | None = None,
         depth: int | None = None,
-        n_couplings: int = 4,
-        hidden: int = 1000,
-        deq_width: int = 1000,
         optimizer: Any = None, scheduler: Any = None,
         metrics: Mapping | None = None,
         n_samples_grid: int = 64,
@@ -39,14 +40,9 @@ class NICELitModule(ScoreMatchingModule):
         # plain containers, so the checkpoint's hyper_parameters hold no OmegaConf objects
         loss, deq, metrics = (plain(c) for c in (loss, deq, metrics))
         super().__init__(loss=loss, optimizer=optimizer, scheduler=scheduler, metrics=metrics, deq=deq)
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not hyper-parameters
+        self.save_hyperparameters(ignore=["optimizer", "scheduler", "net"])  # partials: not hyper-parameters
         metric_options(metrics, "log_likelihood", {})  # the exact likelihood takes no options: refuse any
-        depth = resolve_depth("nice", depth, self.deq)
-        if self.deq is not None:
-            factory = deq_coupling_factory(deq_width, self.deq, n_layers=depth)
-            self.net = NICE(input_dim, n_couplings=n_couplings, coupling_net=factory)
-        else:
-            self.net = NICE(input_dim, n_couplings=n_couplings, hidden=hidden, mlp_layers=depth)
+        self.net = self.build_net(net, dim=input_dim, deq=self.deq, depth=depth)
         self.n_samples_grid = n_samples_grid
 
     def log_likelihood_metrics(self, x: torch.Tensor) -> dict[str, torch.Tensor]:

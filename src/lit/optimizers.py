@@ -29,26 +29,15 @@ from typing import Any, ClassVar
 
 import torch
 
+from src.config.partials import partial_argument, partial_of, partial_target
+
 OLD_SPELLING = ("model.optimizer={lr: …, name: adam} is the old spelling: give a partial torch.optim class, "
                 "model.optimizer={_target_: torch.optim.Adam, _partial_: true, lr: …}")
 LENGTH_ARGUMENTS = ("T_max", "total_steps", "total_iters")  # a scheduler's run length, filled in when left out
 
 
 def _partial_of(spec: Any, where: str) -> Callable:
-    """A ``functools.partial`` (or any callable) as it is; a ``{_target_: …}`` mapping instantiated as a partial."""
-    if callable(spec) and not isinstance(spec, Mapping):
-        return spec
-    if isinstance(spec, Mapping) and "_target_" in spec:
-        from hydra.errors import InstantiationException
-        from hydra.utils import instantiate
-
-        from src.config.values import plain
-
-        try:
-            return instantiate(plain(spec), _partial_=True)
-        except InstantiationException as exc:  # an unknown _target_ path: Hydra's message, on one line
-            raise ValueError(f"{where}._target_={spec['_target_']}: {str(exc).splitlines()[0]}") from None
-    raise ValueError(f"{where}={spec!r}: {OLD_SPELLING}")
+    return partial_of(spec, where, OLD_SPELLING)
 
 
 def optimizer_factories(optimizer: Any) -> dict[str, Callable]:
@@ -112,16 +101,12 @@ def scheduler_factory(scheduler: Any) -> Callable | None:
 
 def optimizer_class(factory: Callable) -> type:
     """The optimiser class of a partial optimiser."""
-    return getattr(factory, "func", factory)
+    return partial_target(factory)
 
 
 def optimizer_argument(factory: Callable, key: str, default: Any = None) -> Any:
     """An argument of a partial optimiser as configured (``default`` when left to the class's default)."""
-    kwargs = getattr(factory, "keywords", None) or {}
-    if key in kwargs:
-        return kwargs[key]
-    param = inspect.signature(optimizer_class(factory).__init__).parameters.get(key)
-    return default if param is None or param.default is inspect.Parameter.empty else param.default
+    return partial_argument(factory, key, default)
 
 
 class OptimizersMixin:

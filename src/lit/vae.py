@@ -28,7 +28,7 @@ from src.lit.base import DeqsmModule, batch_tensor
 from src.metrics.ais import ais_log_likelihood
 from src.metrics.distributed import rank_share
 from src.metrics.registry import metric_options
-from src.models.vae import ConditionalScore, Decoder, ImplicitEncoder, ScoreEstimator, surrogate_negative_elbo
+from src.models.vae import ConditionalScore, build_vae_networks, surrogate_negative_elbo
 from src.objectives.ssm import ssm
 from src.runtime import progress
 
@@ -39,13 +39,16 @@ LOG_LIKELIHOOD_DEFAULTS = {"test_points": 1000, "seed": 0, "ais": AIS_DEFAULTS}
 
 
 class VAELitModule(DeqsmModule):
-    """See the module docstring. ``image_shape`` is ``data.shape``; ``arch`` ``mlp`` (MNIST, as the SSM
-    reference) or ``conv`` (Table 6); ``channels`` m of the score estimator (``enc_channels`` of encoder and
-    decoder); ``depth``/``deq`` the score estimator's pre-processing (SSM VAE, Aug(k), DEQ); ``projection``
+    """See the module docstring. ``image_shape`` is ``data.shape``; ``net`` (``model.net``) a partial
+    :func:`src.models.vae.build_vae_networks` (the sizes: ``arch`` ``mlp`` (MNIST, as the SSM reference) or ``conv``
+    (Table 6), ``channels`` m of the score estimator, ``enc_channels`` of encoder and decoder, …; the module adds
+    ``image_shape``, the parsed ``deq`` setting and ``depth``, the score estimator's pre-processing: SSM VAE,
+    Aug(k), DEQ); ``projection``
     (``gaussian``, the SSM reference's for the VAE, or ``null`` to keep ``loss.projection``) replaces the
     projection of ``loss=ssm|ssm_vr`` and is the one of the reported test SSM loss."""
 
     family = "vae"
+    default_net = build_vae_networks
     outputs_score = True  # the score estimator s(z|x)
     # model.loss of the score estimator, the references' (the VAE's own ELBO is not configurable)
     default_loss = "ssm_vr"
@@ -68,18 +71,9 @@ class VAELitModule(DeqsmModule):
         self,
         image_shape: Sequence[int],
         loss: Mapping,
+        net: Any = None,
         deq: Mapping | None = None,
         depth: int | None = None,
-        arch: str = "mlp",
-        latent_dim: int = 8,
-        noise_dim: int | None = None,
-        hidden: int = 256,
-        channels: int = 32,
-        aug_init: str = "kaiming",
-        enc_channels: int = 32,
-        likelihood: str = "bernoulli",
-        log_sigma: float = 0.0,
-        learn_sigma: bool = False,
         score_steps: int = 1,
         entropy_weight: float = 1.0,
         projection: str | None = "gaussian",
@@ -93,21 +87,18 @@ class VAELitModule(DeqsmModule):
         image_shape = [int(s) for s in plain(image_shape)]
         super().__init__(optimizer=optimizer, scheduler=scheduler, metrics=metrics, monitor=monitor,
                          monitor_mode=monitor_mode, loss=loss, loss_bound={"projection": projection}, deq=deq)
-        self.save_hyperparameters(ignore=["optimizer", "scheduler"])  # partials: not hyper-parameters
+        self.save_hyperparameters(ignore=["optimizer", "scheduler", "net"])  # partials: not hyper-parameters
         self.automatic_optimization = False
-        self.latent_dim, self.score_steps, self.n_samples_grid = int(latent_dim), int(score_steps), n_samples_grid
+        self.score_steps, self.n_samples_grid = int(score_steps), n_samples_grid
         if self.score_steps < 1:
             raise ValueError(f"model.score_steps must be >= 1, got {score_steps}")
         self.entropy_weight = float(entropy_weight)
         if not self.entropy_weight >= 0:
             raise ValueError(f"model.entropy_weight must be >= 0 (1: the ELBO, 0: no entropy term), got {entropy_weight}")
-        self.encoder = ImplicitEncoder(image_shape, latent_dim, arch=arch, hidden=hidden, channels=enc_channels,
-                                       noise_dim=noise_dim)
-        self.decoder = Decoder(image_shape, latent_dim, arch=arch, likelihood=likelihood, hidden=hidden,
-                               channels=enc_channels, log_sigma=log_sigma, learn_sigma=learn_sigma)
-        self.score_net = ScoreEstimator(image_shape, latent_dim, arch=arch, channels=channels, depth=depth,
-                                       deq=self.deq, aug_init=aug_init)
+        self.encoder, self.decoder, self.score_net = self.build_net(net, image_shape=image_shape, deq=self.deq,
+                                                                    depth=depth)
         self.net = self.score_net
+        self.latent_dim = self.decoder.latent_dim
         self.projection = projection or self.loss_kwargs.get("projection", "rademacher")
         ll = metric_options(metrics, "log_likelihood", LOG_LIKELIHOOD_DEFAULTS) or LOG_LIKELIHOOD_DEFAULTS
         self.ais_points, self.ais_seed, self.ais_cfg = int(ll["test_points"]), int(ll["seed"]), dict(ll["ais"])

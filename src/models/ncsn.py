@@ -91,7 +91,7 @@ class DEQResBlock(nn.Module):
             self.block = MultiscaleDEQBlock(channels, (channels,), num_classes, cell=cell, groups=groups,
                                             activation=activation, config=config, name=name)
         elif cell != "resblock":
-            raise ValueError(f"model.cell={cell!r} is unknown; valid: {', '.join(CELLS)}")
+            raise ValueError(f"model.net.cell={cell!r} is unknown; valid: {', '.join(CELLS)}")
         elif config.block == "normalized_residual":  # the paper authors' code's block (identity injection)
             self.block = NormalizedResidualDEQBlock(channels, 3, config=config, name=name)
         elif num_classes is None:
@@ -132,9 +132,9 @@ class NCSN(nn.Module):
                  cell_activation: str = "elu"):
         super().__init__()
         if arch not in ARCHS:
-            raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
+            raise ValueError(f"model.net.arch={arch!r} is unknown; valid: {', '.join(ARCHS)} (model/net=refinenet | twores | mdeq)")
         if conditioning not in CONDITIONINGS:
-            raise ValueError(f"model.conditioning={conditioning!r} is unknown; valid: {', '.join(CONDITIONINGS)} "
+            raise ValueError(f"model.net.conditioning={conditioning!r} is unknown; valid: {', '.join(CONDITIONINGS)} "
                              "(cond_norm: a norm row per noise level; sigma: unconditional network, output / σ)")
         self.conditioning = conditioning
         sig = torch.as_tensor(sigmas, dtype=torch.float64).reshape(-1)
@@ -147,13 +147,13 @@ class NCSN(nn.Module):
         setting = deq if arch in DEQ_ARCHS else None
         self.deq_enabled = setting is not None
         if arch == "mdeq" and setting is None:
-            raise ValueError("model.arch=mdeq is a multi-resolution equilibrium: give deq=true (deq.one_pass=true for "
+            raise ValueError("model/net=mdeq is a multi-resolution equilibrium: give deq=true (deq.one_pass=true for "
                              "its one-pass control)")
         if cell not in CELLS:
-            raise ValueError(f"model.cell={cell!r} is unknown; valid: {', '.join(CELLS)}")
+            raise ValueError(f"model.net.cell={cell!r} is unknown; valid: {', '.join(CELLS)}")
         if cell != "resblock" and not self.deq_enabled:
-            raise ValueError(f"model.cell={cell} is the DEQ map's cell: give deq=true with model.arch=deq or mdeq "
-                             "(or model.cell=resblock)")
+            raise ValueError(f"model.net.cell={cell} is the DEQ map's cell: give deq=true with model/net=twores or mdeq "
+                             "(or model.net.cell=resblock)")
         self.cell = cell
         c1, c2 = self.ngf, 2 * self.ngf
         self.begin = conv3x3(channels, c1)

@@ -1,4 +1,4 @@
-"""The NCSN trunk of ``model.arch=mdeq``: a multi-resolution equilibrium read out to the score (MDEQ, Bai et al. 2020).
+"""The NCSN trunk of ``model/net=mdeq``: a multi-resolution equilibrium read out to the score (MDEQ, Bai et al. 2020).
 
     conv3×3 (in NCSN) → ResBlock → MDEQ block (n resolutions: ngf at H×W, 2·ngf at ⌈H/2⌉×⌈W/2⌉, …)
       → RefineBlock(all resolutions → ngf, the last NCSN RefineBlock) (→ CIN++ → ELU → conv3×3 in NCSN)
@@ -32,7 +32,7 @@ class MultiscaleTrunk(nn.Module):
                  cell: str = "resblock", groups: int = 4, activation: str = "elu", name: str = "ncsn.mdeq"):
         super().__init__()
         if int(scales) < 1:
-            raise ValueError(f"model.scales={scales}: the multi-resolution equilibrium needs >= 1 resolution")
+            raise ValueError(f"model.net.scales={scales}: the multi-resolution equilibrium needs >= 1 resolution")
         self.channels = tuple(ngf * (2 if i else 1) for i in range(int(scales)))
         self.res_in = ResBlock(ngf, ngf, num_classes)
         self.block = MultiscaleDEQBlock(ngf, self.channels, num_classes, cell=cell, groups=groups,

@@ -31,7 +31,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from src.deq.config import DEQConfig
+from src.deq.config import DEQConfig, resolve_depth
 from src.models.deq_net import DEQNetFactory
 from src.models.features import mlp
 
@@ -169,3 +169,15 @@ class NICE(nn.Module):
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, n_couplings={self.n_couplings}"
+
+
+def build_nice(dim: int, *, deq: DEQConfig | None = None, depth: int | None = None, n_couplings: int = 4,
+               hidden: int = 1000, deq_width: int = 1000) -> NICE:
+    """The NICE of ``model=nice`` (``model.net``): ``n_couplings`` couplings, each an MLP of ``depth`` dense layers
+    ``hidden`` wide (``deq`` None), or one dense DEQ block ``deq_width`` wide with ``depth`` layers inside its map
+    (``deq``: the parsed DEQ setting, a ``DEQConfig``); ``depth`` None: the family's default
+    (:func:`src.deq.config.resolve_depth`, 5 explicit layers, 1 inside the DEQ)."""
+    depth = resolve_depth("nice", depth, deq)
+    if deq is not None:
+        return NICE(dim, n_couplings=n_couplings, coupling_net=deq_coupling_factory(deq_width, deq, n_layers=depth))
+    return NICE(dim, n_couplings=n_couplings, hidden=hidden, mlp_layers=depth)

@@ -13,6 +13,7 @@ Modules (nn.Modules, no Lightning):
   (conv features of x, concatenated with ε, then a dense layer) → z ∈ R^{D_z};
 - :class:`Decoder` — Bernoulli logits (binarised MNIST) or Gaussian means with fixed or learned log σ
   (CIFAR-10/CelebA in [−1, 1]);
+- :func:`build_vae_networks` — the three from one set of sizes (``model.net`` of ``model=vae``);
 - :class:`ScoreEstimator` — s(z|x) ∈ R^{D_z}. ``conv`` (Table 6): input concat[x, Softplus(Dense(z))]
   (Dense(z) reshaped to the image), a 5×5 Softplus conv to ``m`` channels, the *pre-processing*, stride-2
   5×5 Softplus convs, a dense read-out to D_z. Pre-processing: ``deq=false depth=k`` adds k stride-1 5×5
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -91,7 +93,7 @@ class ImplicitEncoder(nn.Module):
             self.features = ConvFeatures(chans)
             feat = chans[-1] * conv_out_size(h, n) * conv_out_size(self.image_shape[2], n)
         else:
-            raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
+            raise ValueError(f"model.net.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
         self.head = nn.Sequential(nn.Linear(feat + self.noise_dim, hidden), nn.Softplus(),
                                   nn.Linear(hidden, hidden), nn.Softplus(), nn.Linear(hidden, self.latent_dim))
 
@@ -113,7 +115,7 @@ class Decoder(nn.Module):
                  hidden: int = 256, channels: int = 32, log_sigma: float = 0.0, learn_sigma: bool = False):
         super().__init__()
         if likelihood not in LIKELIHOODS:
-            raise ValueError(f"model.likelihood={likelihood!r} is unknown; valid: {', '.join(LIKELIHOODS)}")
+            raise ValueError(f"model.net.likelihood={likelihood!r} is unknown; valid: {', '.join(LIKELIHOODS)}")
         self.image_shape, self.latent_dim, self.arch, self.likelihood = tuple(image_shape), int(latent_dim), arch, likelihood
         c, h, w = self.image_shape
         d = math.prod(self.image_shape)
@@ -129,7 +131,7 @@ class Decoder(nn.Module):
                                      for a, b in itertools.pairwise(chans))
             self.out = nn.Conv2d(chans[-1], c, 5, padding=2)
         else:
-            raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
+            raise ValueError(f"model.net.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
         if learn_sigma:
             self.log_sigma = nn.Parameter(torch.tensor(float(log_sigma)))
         else:
@@ -189,7 +191,7 @@ class ScoreEstimator(nn.Module):
                  deq: DEQConfig | None = None, n_down: int | None = None, aug_init: str = "kaiming"):
         super().__init__()
         if aug_init not in AUG_INITS:
-            raise ValueError(f"model.aug_init={aug_init!r} is unknown; valid: {', '.join(AUG_INITS)}")
+            raise ValueError(f"model.net.aug_init={aug_init!r} is unknown; valid: {', '.join(AUG_INITS)}")
         config = deq
         self.deq_enabled = config is not None
         self.depth = resolve_depth("vae", depth, config)
@@ -228,7 +230,7 @@ class ScoreEstimator(nn.Module):
             self.down = nn.Identity()
             feat = self.m
         else:
-            raise ValueError(f"model.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
+            raise ValueError(f"model.net.arch={arch!r} is unknown; valid: {', '.join(ARCHS)}")
         if self.layers is not None and aug_init == "kaiming":
             init_aug_layers(self.layers)
         self.readout = nn.Linear(feat, latent_dim)
@@ -251,6 +253,30 @@ class ScoreEstimator(nn.Module):
 
     def forward(self, z: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         return self.readout(self.down(self.features(self.preprocess_input(z, x))))
+
+
+class VAENetworks(NamedTuple):
+    """The SSM-VAE's three networks (each updated by its own optimiser: encoder and decoder by ``vae``, the score
+    estimator by ``score``)."""
+
+    encoder: ImplicitEncoder
+    decoder: Decoder
+    score_net: ScoreEstimator
+
+
+def build_vae_networks(image_shape, *, deq: DEQConfig | None = None, depth: int | None = None, arch: str = "mlp",
+                       latent_dim: int = 8, noise_dim: int | None = None, hidden: int = 256, channels: int = 32,
+                       aug_init: str = "kaiming", enc_channels: int = 32, likelihood: str = "bernoulli",
+                       log_sigma: float = 0.0, learn_sigma: bool = False) -> VAENetworks:
+    """Encoder, decoder and score estimator of ``model=vae`` (``model.net``) for images ``image_shape``: ``arch``
+    ``mlp`` | ``conv`` for all three; ``latent_dim`` D_z; ``hidden`` the dense width of encoder and decoder heads,
+    ``enc_channels`` their base channels (conv); ``channels`` m, ``aug_init``, ``depth`` and ``deq`` (the parsed DEQ
+    setting, None: explicit layers) the score estimator's pre-processing (:class:`ScoreEstimator`)."""
+    return VAENetworks(
+        ImplicitEncoder(image_shape, latent_dim, arch=arch, hidden=hidden, channels=enc_channels, noise_dim=noise_dim),
+        Decoder(image_shape, latent_dim, arch=arch, likelihood=likelihood, hidden=hidden, channels=enc_channels,
+                log_sigma=log_sigma, learn_sigma=learn_sigma),
+        ScoreEstimator(image_shape, latent_dim, arch=arch, channels=channels, depth=depth, deq=deq, aug_init=aug_init))
 
 
 class ConditionalScore:

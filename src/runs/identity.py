@@ -2,8 +2,9 @@
 
 A resume (``ckpt_path=…``) continues a run only as the run it was trained as. :func:`run_identity` flattens the
 keys that make the run what it is — the family (``model._target_``), the objective (``loss.*``), the network's
-sizes and its optimiser and schedule (``model.*``; a checkpoint recorded while ``model.optimizer`` was a flat mapping
-is read with today's keys, :func:`src.config.old_runs.upgrade_identity`), the DEQ block (``deq.*``, ``depth``) and the data (``data.*``) — into
+sizes and its optimiser and schedule (``model.*``; a checkpoint recorded while ``model.optimizer`` was a flat mapping,
+or while the network's sizes were flat ``model.*`` keys, is read with today's keys,
+:func:`src.config.old_runs.upgrade_identity`), the DEQ block (``deq.*``, ``depth``) and the data (``data.*``) — into
 ``{dotted key: value}``; every checkpoint ``src.train`` writes holds them (``deqsm_run``, written by
 :class:`src.runtime.checkpoints.AtomicCheckpointIO`), and :func:`check_same_run` refuses a checkpoint whose keys
 differ from the run's, in one line naming each differing key with both values and the override that allows the
@@ -133,7 +134,8 @@ def check_same_run(checkpoint: Mapping, path: Any = "the checkpoint", *, identit
     if saved is not None:
         found = differences(upgrade_identity(saved), identity, allow)
     else:
-        saved = upgrade_identity(identity_of_hparams(checkpoint.get("hyper_parameters") or {}))
+        saved = upgrade_identity(identity_of_hparams(checkpoint.get("hyper_parameters") or {}),
+                                 module=identity.get("model._target_"))
         found = differences(saved, identity, allow, keys=[k for k in saved if k in identity])
         log.info("checkpoint %s was written before checkpoints recorded their run (%s): its model, objective and "
                  "DEQ settings are checked from its hyper-parameters, its data are not", path, CHECKPOINT_KEY)

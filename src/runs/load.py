@@ -17,7 +17,12 @@ import lightning.pytorch as L
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from src.config.old_runs import clear_stale_norm_of_normalized_block, upgrade_optimizer_config
+from src.config.old_runs import (
+    clear_stale_norm_of_normalized_block,
+    upgrade_net_config,
+    upgrade_optimizer_config,
+    upgrade_run_overrides,
+)
 from src.runtime.checkpoints import (
     TRUST_HINT,
     UnsafeCheckpointError,
@@ -81,8 +86,9 @@ def run_of_checkpoint(ckpt_path: str | Path, overrides: list[str] | None = None,
     cfg.paths.output_dir = str(run_dir)
     clear_stale_norm_of_normalized_block(cfg)  # a run of an older deqsm (src.config.old_runs)
     upgrade_optimizer_config(cfg)
+    upgrade_net_config(cfg)
     if overrides:
-        extra = OmegaConf.from_dotlist(overrides)
+        extra = OmegaConf.from_dotlist(upgrade_run_overrides(list(overrides), cfg.model.get("_target_")))
         for key in extra:
             if isinstance(cfg.get(key), DictConfig) and not isinstance(extra[key], DictConfig):
                 family = cfg[key].get("_target_", "") if key == "model" else ""
