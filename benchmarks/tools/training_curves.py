@@ -44,18 +44,14 @@ from pathlib import Path
 from benchmarks.lib.generative_grids import GRIDS
 from benchmarks.lib.jobs import run_module
 from benchmarks.lib.results import ROOT, note_lines, shown, write_results
-from benchmarks.lib.runs import slug
+from benchmarks.lib.runs import merge_curves as merge
+from benchmarks.lib.runs import run_dir_name, slug
 from src.reports.tables import figure, markdown_table
 
 SUMMARY = [("n_params", "params", "{:,.0f}"), ("profile/time_per_step_s", "s / step", "{:.3f}"),
            ("profile/saved_bytes_mean", "saved MB / step", "{:.1f}"), ("profile/deq_iterations_mean", "DEQ iters",
                                                                        "{:.1f}")]
 
-
-def run_dir_name(variant: str, seed: int) -> str:
-    """A variant's run directory under ``--runs/<grid>``: its slug, with ``_seed<s>`` for a seed other than 0 (so
-    the seeds of one variant never share, and never reuse, one run)."""
-    return slug(variant) + (f"_seed{seed}" if seed else "")
 
 
 def machine_facts(threads: int, train_overrides: list[str], eval_overrides: list[str], concurrent: int = 1) -> str:
@@ -172,31 +168,6 @@ def save(res: dict, args) -> None:
     write_results(args.out, args.name, res, render)
     plot(res, Path(args.out) / f"{args.name}.png")
 
-
-def merge(paths: list[Path], out: Path, name: str) -> dict:
-    """One result from partial ones of the same grid and evaluation protocol (one process per variant, run side
-    by side); each part's command is kept, and each variant's sample grid is copied under the new name."""
-    parts = [(p, json.loads(p.read_text())) for p in paths]
-    first_path, first = parts[0]
-    res = {"meta": {k: v for k, v in first["meta"].items() if k != "command"}, "runs": {}}
-    res["meta"]["commands"] = []
-    for path, part in parts:
-        for key in ("grid", "experiment", "seed", "eval_overrides", "real_fid_n", "machine"):
-            if part["meta"].get(key) != first["meta"].get(key):
-                raise SystemExit(f"{path}: {key} {part['meta'].get(key)!r} differs from {first_path}'s "
-                                 f"{first['meta'].get(key)!r}; only results of one protocol can be merged")
-        res["meta"]["commands"].append(part["meta"]["command"])
-        for variant, run in part["runs"].items():
-            if variant in res["runs"]:
-                raise SystemExit(f"{path}: variant {variant!r} is in more than one part; merge each once")
-            run = dict(run)
-            if run.get("samples"):
-                target = f"{name}_{slug(variant)}_samples.png"
-                out.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(path.parent / run["samples"], out / target)
-                run["samples"] = target
-            res["runs"][variant] = run
-    return res
 
 
 def _fmt(fmt: str, value) -> str:
