@@ -44,6 +44,7 @@ from src.deq.config import DEQConfig
 from src.models.directional import directional_derivatives
 from src.models.feature_jets import feature_jet, supports_jet
 from src.models.features import build_feature_net
+from src.models.stacked_features import stackable, stacked_features, stacked_jets
 from src.objectives.base import PHASE_SCORE, PHASE_TRACE
 
 ALPHA_FIT_MODES = ("exact", "sliced", "dsm")
@@ -77,6 +78,7 @@ class DKEFWithAlpha:
 
 class DKEF(nn.Module):
     independent_rows = True  # log p̃(x_n) depends on row n only: exact SM may replicate x (src/objectives/sm.py)
+    stack_kernels = True  # DEQ features of the kernels as one stacked DEQ where they qualify (:meth:`stacked`)
 
     def __init__(
         self,
@@ -136,8 +138,18 @@ class DKEF(nn.Module):
 
     def _all_features(self, x: torch.Tensor) -> torch.Tensor:
         """Features of every kernel side by side: [N, n_kernels * F]."""
-        with record_function(PHASE_INDUCING if x is self.inducing else PHASE_FEATURES):
+        inducing = x is self.inducing
+        with record_function(PHASE_INDUCING if inducing else PHASE_FEATURES):
+            if self.stacked():  # [R, N, F]; the inducing points' features are differentiated once (parameters only)
+                u = stacked_features(self.features, x, first_order=inducing)
+                return u.transpose(0, 1).reshape(x.shape[0], -1)
             return torch.cat([phi(x) for phi in self.features], dim=-1)
+
+    def stacked(self) -> bool:
+        """Whether the kernels' feature networks run as one stacked DEQ (src/models/stacked_features.py: dense DEQ
+        features with the phantom backward; ``stack_kernels`` False turns it off, for comparisons)."""
+        return (self.stack_kernels and not torch.is_autocast_enabled(self.inducing.device.type)
+                and stackable(self.features))
 
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
         return list(u.chunk(len(self.features), dim=-1))
@@ -234,7 +246,10 @@ class DKEF(nn.Module):
         where J_r[n] = (∂u_r/∂x)ᵀ is stored ``[D, F]``, so the module docstring's Jᵀ(u − u_m) is J_r[n](u − u_m) here,
         and ‖J_r[n]v‖² = vᵀ(J_r[n]ᵀJ_r[n])v goes through the [F, F] Gram matrix: no [N, D, M] tensor is formed.
         Returns J = [J_1 | J_2 | …] ``[N, D, R·F]``, B ``[N, M, R·F]`` and Δₓk ``[N, M]``."""
-        jets = [feature_jet(phi, x) for phi in self.features]
+        if self.stacked():
+            jets = list(zip(*(t.unbind(0) for t in stacked_jets(self.features, x))))
+        else:
+            jets = [feature_jet(phi, x) for phi in self.features]
         uz_all = self._inducing_features()
         with record_function(PHASE_KERNEL_DERIVATIVES):
             rho = torch.softmax(self.kernel_logits, 0)
