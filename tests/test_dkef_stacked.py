@@ -155,3 +155,31 @@ def test_other_feature_networks_go_one_by_one(deq, depth):
     model = DKEF(3, deq=deq_setting({**DEQ, **deq}), depth=depth, n_inducing=4, feature_dim=3, deq_width=5)
     assert not stackable(model.features) and not model.stacked()
     assert not stackable(DKEF(3, depth=3).features)
+
+
+def test_shared_inducing_features_are_every_order_where_a_caller_needs_it():
+    """The jet route takes the inducing points' features first-order (the written-out backward); a later
+    log-density in the same step (an autograd route; CP walks its graph) gets the every-order ones, the same
+    numbers."""
+    stacked, _ = pair()
+    stacked.eval()  # no power step per call: both forms see the same normalized weights
+    x = probe((6, 4), 11)
+
+    def custom_nodes(t):
+        seen, stack, found = set(), [t.grad_fn], []
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            found += [type(node).__name__] if "PhantomSteps" in type(node).__name__ else []
+            stack += [f for f, _ in node.next_functions]
+        return found
+
+    with stacked.shared_inducing_features():
+        first = stacked._inducing_features(first_order=True)
+        assert custom_nodes(first) and stacked._inducing_features(first_order=True) is first
+        every = stacked._inducing_features()
+        assert not custom_nodes(every) and rel(every, first) < BOUND
+        assert stacked._inducing_features(first_order=True) is every  # every order serves a first-order caller
+        assert not custom_nodes(stacked.log_density(x, alpha=probe((9,), 12)))

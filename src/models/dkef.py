@@ -29,6 +29,11 @@ The exact mode (and the exact SM loss's score and trace, :meth:`DKEF.score_and_t
 
 which are the same numbers as the D replicated reverse passes of ``exact_route="autograd"`` (float64 tests:
 tests/test_dkef_fast_trace.py) at a fraction of their cost at high D (benchmarks/results/dkef_step_profile.md).
+
+Dense one-layer DEQ features with the phantom backward (the main job's block of record) run as one stacked DEQ
+for all kernels (``src/models/stacked_features.py``: one solve, batched matmuls, the jets' and the inducing points'
+phantom steps with a written-out reverse sweep), the same numbers as the networks one by one (float64:
+tests/test_dkef_stacked.py); ``stack_kernels = False`` on an instance runs them one by one.
 """
 
 from __future__ import annotations
@@ -136,12 +141,12 @@ class DKEF(nn.Module):
     def grad_log_q0(self, x: torch.Tensor) -> torch.Tensor:
         return -x / self.q0_std**2
 
-    def _all_features(self, x: torch.Tensor) -> torch.Tensor:
-        """Features of every kernel side by side: [N, n_kernels * F]."""
-        inducing = x is self.inducing
-        with record_function(PHASE_INDUCING if inducing else PHASE_FEATURES):
-            if self.stacked():  # [R, N, F]; the inducing points' features are differentiated once (parameters only)
-                u = stacked_features(self.features, x, first_order=inducing)
+    def _all_features(self, x: torch.Tensor, first_order: bool = False) -> torch.Tensor:
+        """Features of every kernel side by side: [N, n_kernels * F]. ``first_order``: differentiated once, w.r.t.
+        the parameters only (the jet route's inducing points: stacked DEQ features then keep fewer bytes)."""
+        with record_function(PHASE_INDUCING if x is self.inducing else PHASE_FEATURES):
+            if self.stacked():  # [R, N, F]
+                u = stacked_features(self.features, x, first_order=first_order)
                 return u.transpose(0, 1).reshape(x.shape[0], -1)
             return torch.cat([phi(x) for phi in self.features], dim=-1)
 
@@ -165,15 +170,17 @@ class DKEF(nn.Module):
         finally:
             self._inducing_cache = None
 
-    def _inducing_features(self) -> torch.Tensor:
+    def _inducing_features(self, first_order: bool = False) -> torch.Tensor:
         """φ(z) of every kernel for the inducing points, [M, n_kernels * F] (shared within
-        :meth:`shared_inducing_features`)."""
+        :meth:`shared_inducing_features`). ``first_order``: the caller differentiates them once, w.r.t. the
+        parameters (the jet route); a later caller that needs every order (the autograd route, CP's graph walk)
+        gets them computed anew in their every-order form, which then stays shared."""
         cache = self._inducing_cache
-        if cache is not None and cache:
-            return cache[0]
-        uz = self._all_features(self.inducing)
+        if cache and (first_order or not cache[0][1]):
+            return cache[0][0]
+        uz = self._all_features(self.inducing, first_order=first_order)
         if cache is not None:
-            cache.append(uz)
+            cache[:] = [(uz, first_order)]
         return uz
 
     def kernel_matrix(self, x: torch.Tensor) -> torch.Tensor:
@@ -250,7 +257,7 @@ class DKEF(nn.Module):
             jets = list(zip(*(t.unbind(0) for t in stacked_jets(self.features, x))))
         else:
             jets = [feature_jet(phi, x) for phi in self.features]
-        uz_all = self._inducing_features()
+        uz_all = self._inducing_features(first_order=True)
         with record_function(PHASE_KERNEL_DERIVATIVES):
             rho = torch.softmax(self.kernel_logits, 0)
             lap = 0.0
