@@ -141,14 +141,17 @@ class DKEF(nn.Module):
     def grad_log_q0(self, x: torch.Tensor) -> torch.Tensor:
         return -x / self.q0_std**2
 
-    def _all_features(self, x: torch.Tensor, first_order: bool = False) -> torch.Tensor:
-        """Features of every kernel side by side: [N, n_kernels * F]. ``first_order``: differentiated once, w.r.t.
-        the parameters only (the jet route's inducing points: stacked DEQ features then keep fewer bytes)."""
+    def _all_features(self, x: torch.Tensor) -> torch.Tensor:
+        """Features of every kernel side by side: [N, n_kernels * F]."""
         with record_function(PHASE_INDUCING if x is self.inducing else PHASE_FEATURES):
-            if self.stacked():  # [R, N, F]
-                u = stacked_features(self.features, x, first_order=first_order)
-                return u.transpose(0, 1).reshape(x.shape[0], -1)
+            if self.stacked():
+                return self._side_by_side(stacked_features(self.features, x))
             return torch.cat([phi(x) for phi in self.features], dim=-1)
+
+    @staticmethod
+    def _side_by_side(u: torch.Tensor) -> torch.Tensor:
+        """The stacked features ``[R, N, F]`` as ``[N, R * F]`` (kernel r's in columns r·F … (r + 1)·F − 1)."""
+        return u.transpose(0, 1).reshape(u.shape[1], -1)
 
     def stacked(self) -> bool:
         """Whether the kernels' feature networks run as one stacked DEQ (src/models/stacked_features.py: dense DEQ
@@ -178,7 +181,11 @@ class DKEF(nn.Module):
         cache = self._inducing_cache
         if cache and (first_order or not cache[0][1]):
             return cache[0][0]
-        uz = self._all_features(self.inducing, first_order=first_order)
+        if first_order and self.stacked():  # differentiated once, w.r.t. the parameters: fewer bytes kept
+            with record_function(PHASE_INDUCING):
+                uz = self._side_by_side(stacked_features(self.features, self.inducing, first_order=True))
+        else:
+            uz = self._all_features(self.inducing)
         if cache is not None:
             cache[:] = [(uz, first_order)]
         return uz
