@@ -197,6 +197,7 @@ def main(argv=None) -> dict:
         return {}
     if rendered(args, args.name, render):
         return {}
+    data_root = str(Path(args.root).resolve())  # the workers run in the snapshots' folders: a relative root would miss
     revs = [r.strip() for r in args.revs.split(",") if r.strip()]
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="deqsm_dkef_cost_") as tmp:
@@ -212,7 +213,7 @@ def main(argv=None) -> dict:
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trees[rev]), str(ROOT)]),
                                OMP_NUM_THREADS="1")
                     out = subprocess.run([sys.executable, "-m", MODULE, "--worker", s, "--rounds", str(args.rounds),
-                                          "--warmup", str(args.warmup), "--root", args.root],
+                                          "--warmup", str(args.warmup), "--root", data_root],
                                          env=env, check=True, capture_output=True, text=True, cwd=trees[rev])
                     parts[(s, rev)].append(json.loads(out.stdout.strip().splitlines()[-1]))
                     print(s, rev, "done", flush=True)
