@@ -8,7 +8,9 @@ and runs their own ``training_step`` in turn, round by round (``benchmarks.lib.s
 shared machine hits every arm alike; the bytes autograd saves per step (``SavedTensorsMeter``, the runs'
 ``profile/saved_bytes_mean``) are deterministic. Workers of the revisions (``--revs``, each one's ``src`` as
 committed, ``benchmarks.lib.step_cases.snapshot``) alternate, ``--repeats`` times; a figure is the minimum over
-all its steps (and the median, for the noise), and each ratio is to the 3-layer net of the same worker.
+all its steps (and the median, for the noise), and each ratio is to the 3-layer net of the same worker. The
+step's CPU time (``time.thread_time``, one thread) is recorded beside its wall time: other jobs' load stretches
+the wall time of whatever step they preempt, the CPU time much less.
 
 Arms (spectral λ = 2 unless named; Picard, relative 1e-4, as ``conf/shared/deq_solver.yaml``):
 
@@ -50,6 +52,7 @@ ARMS = ("record", "implicit", "paper", "3-layer")
 SOLVER = {"solver": "picard", "tol": 1e-4, "stop_mode": "rel", "max_iter": 30, "warm_start": True,
           "norm": "spectral", "norm_lambda": 2.0, "backward": "phantom", "injection": None}
 BOUNDS = {"bytes": 1.1, "time": 1.2}
+OPTIMIZER = {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 1e-3, "weight_decay": 1e-12}  # conf/model/dkef.yaml
 
 
 def _deq(arm: str, k: int) -> dict | None:
@@ -91,7 +94,7 @@ def worker(setting: str, rounds: int, warmup: int, data_root: str | None) -> dic
         torch.manual_seed(0)
         deq = _deq(arm, s["record_k"])
         module = DKEFLitModule(s["dim"], loss={"name": "sm"}, deq=deq or {"enabled": False},
-                               depth=None if deq else 3, optimizer={"lr": 1e-3, "weight_decay": 1e-12})
+                               depth=None if deq else 3, optimizer=OPTIMIZER)
         with torch.no_grad():
             module.net.inducing.copy_(rows[-200:])
         arms[arm] = (module, trainer_free(module))
@@ -104,12 +107,14 @@ def worker(setting: str, rounds: int, warmup: int, data_root: str | None) -> dic
             training_step(module, batches[0], opts, 0)
         saved[arm] = meter.bytes
     times = {arm: [] for arm in arms}
+    cpu = {arm: [] for arm in arms}
     for r in range(rounds):
         for arm, (module, opts) in arms.items():
-            t = time.perf_counter()
+            t, c = time.perf_counter(), time.thread_time()
             training_step(module, batches[r % 8], opts, r)
+            cpu[arm].append(time.thread_time() - c)
             times[arm].append(time.perf_counter() - t)
-    return {"source": source, "saved_bytes": saved, "step_s": times}
+    return {"source": source, "saved_bytes": saved, "step_s": times, "cpu_s": cpu}
 
 
 def _summary(parts: list[dict]) -> dict:
@@ -123,6 +128,12 @@ def _summary(parts: list[dict]) -> dict:
                     "time_ratios": [min(p["step_s"][arm]) / min(p["step_s"]["3-layer"]) for p in parts],
                     "median_ratios": [statistics.median(p["step_s"][arm]) / statistics.median(p["step_s"]["3-layer"])
                                       for p in parts]}
+        if all("cpu_s" in p for p in parts):  # the step's CPU time (its one thread's): what other jobs' load adds less to
+            cpu = [t for p in parts for t in p["cpu_s"][arm]]
+            out[arm].update({"cpu_min_ms": min(cpu) * 1e3, "cpu_median_ms": statistics.median(cpu) * 1e3,
+                             "cpu_ratios": [min(p["cpu_s"][arm]) / min(p["cpu_s"]["3-layer"]) for p in parts],
+                             "cpu_median_ratios": [statistics.median(p["cpu_s"][arm])
+                                                   / statistics.median(p["cpu_s"]["3-layer"]) for p in parts]})
     for v in out.values():
         v["bytes_ratio"] = v["saved_mb"] / out["3-layer"]["saved_mb"]
         v["time_ratio"] = v["min_ms"] / out["3-layer"]["min_ms"]
@@ -152,6 +163,18 @@ def render(res: dict) -> str:
                              f"{statistics.median(v['time_ratios']):.2f} ({per}) | {v['median_ms']:.1f} | "
                              f"{statistics.median(v['median_ratios']):.2f} ({per_med}) |")
         lines.append("")
+        if all("cpu_min_ms" in v for entry in by_rev.values() for v in entry["arms"].values()):
+            lines += ["CPU time of the step (`time.thread_time`, its one thread's; the same pairing):", "",
+                      ("| revision | arm | min CPU ms | × 3-layer: median over workers of the min ratio (per worker) "
+                       "| median CPU ms | × 3-layer: of the median ratio (per worker) |"), "|---|---|---:|---|---:|---|"]
+            for rev, entry in by_rev.items():
+                for arm, v in entry["arms"].items():
+                    per = ", ".join(f"{x:.2f}" for x in v["cpu_ratios"])
+                    per_med = ", ".join(f"{x:.2f}" for x in v["cpu_median_ratios"])
+                    lines.append(f"| {rev} | {arm} | {v['cpu_min_ms']:.1f} | {statistics.median(v['cpu_ratios']):.2f} "
+                                 f"({per}) | {v['cpu_median_ms']:.1f} | "
+                                 f"{statistics.median(v['cpu_median_ratios']):.2f} ({per_med}) |")
+            lines.append("")
     if meta.get("note"):
         lines += [meta["note"].rstrip(), ""]
     return "\n".join(lines)
@@ -174,6 +197,7 @@ def main(argv=None) -> dict:
         return {}
     if rendered(args, args.name, render):
         return {}
+    data_root = str(Path(args.root).resolve())  # the workers run in the snapshots' folders: a relative root would miss
     revs = [r.strip() for r in args.revs.split(",") if r.strip()]
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="deqsm_dkef_cost_") as tmp:
@@ -189,7 +213,7 @@ def main(argv=None) -> dict:
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trees[rev]), str(ROOT)]),
                                OMP_NUM_THREADS="1")
                     out = subprocess.run([sys.executable, "-m", MODULE, "--worker", s, "--rounds", str(args.rounds),
-                                          "--warmup", str(args.warmup), "--root", args.root],
+                                          "--warmup", str(args.warmup), "--root", data_root],
                                          env=env, check=True, capture_output=True, text=True, cwd=trees[rev])
                     parts[(s, rev)].append(json.loads(out.stdout.strip().splitlines()[-1]))
                     print(s, rev, "done", flush=True)

@@ -259,11 +259,17 @@ class DenseDEQBlock(DEQBlock):
         return (x.shape[0], self.width)
 
     def map_params(self, x):
+        return (self.injection(x), *self.map_weights())
+
+    def map_weights(self) -> tuple:
+        """The map's weights after the ``deq.norm`` normalization, (W_1, W_2, b_2, …, W_L, b_L): ``map_params``
+        without the injection (one power step per training call under ``deq.norm=spectral``). A caller that
+        stacks several blocks' maps into one (src/models/stacked_features.py) takes them from here."""
         ws = [self.normalizer(self, f"sn_u{i}", w) for i, w in enumerate(self.weights)]
         rest = []
         for w, b in zip(ws[1:], self.biases):
             rest += [w, b]
-        return (self.injection(x), ws[0], *rest)
+        return (ws[0], *rest)
 
 
 def _odd(kernel_size: int) -> int:

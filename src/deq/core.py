@@ -52,6 +52,8 @@ class EquilibriumInfo:
     ``jacobian_penalty``: ‖εᵀ ∂f/∂z(z*)‖²/n (unscaled, differentiable w.r.t. the map's parameters) when asked for.
     ``states``: the fixed-point correction states (None when off), last = the output. A record that holds the
     penalty or the states holds their graphs too (a block keeps its last record until its next forward).
+    ``sample_residual``: the forward solve's final ‖f(z) − z‖ per sample ``[B]`` (detached; ``residual`` is its
+    max), so a caller that solves several blocks' rows in one state can report each block's own.
     """
 
     iterations: int = 0
@@ -62,6 +64,7 @@ class EquilibriumInfo:
     z_star: torch.Tensor | None = None
     jacobian_penalty: torch.Tensor | None = None
     states: list | None = None
+    sample_residual: torch.Tensor | None = None
 
     def stats(self) -> dict:
         """The forward solve's statistics as a dict (iterations, residual, converged, hit_cap)."""
@@ -110,6 +113,7 @@ def _reporter(info: EquilibriumInfo, config: DEQConfig, warn: Callable | None) -
             info.iterations, info.residual = stats["iterations"], stats["residual"]
             info.converged, info.hit_cap = stats["converged"], stats["hit_cap"]
             info.z_star = result.z.detach()  # never a graph in the record (the implicit output is attached)
+            info.sample_residual = result.residual.detach()
             info.states = result.trajectory or None  # the detached iterates; made differentiable by the caller
         else:
             b = info.backward

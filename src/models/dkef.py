@@ -29,6 +29,11 @@ The exact mode (and the exact SM loss's score and trace, :meth:`DKEF.score_and_t
 
 which are the same numbers as the D replicated reverse passes of ``exact_route="autograd"`` (float64 tests:
 tests/test_dkef_fast_trace.py) at a fraction of their cost at high D (benchmarks/results/dkef_step_profile.md).
+
+Dense one-layer DEQ features with the phantom backward (the main job's block of record) run as one stacked DEQ
+for all kernels (``src/models/stacked_features.py``: one solve, batched matmuls, the jets' and the inducing points'
+phantom steps with a written-out reverse sweep), the same numbers as the networks one by one (float64:
+tests/test_dkef_stacked.py); ``stack_kernels = False`` on an instance runs them one by one.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from src.deq.config import DEQConfig
 from src.models.directional import directional_derivatives
 from src.models.feature_jets import feature_jet, supports_jet
 from src.models.features import build_feature_net
+from src.models.stacked_features import stackable, stacked_features, stacked_jets
 from src.objectives.base import PHASE_SCORE, PHASE_TRACE
 
 ALPHA_FIT_MODES = ("exact", "sliced", "dsm")
@@ -77,6 +83,7 @@ class DKEFWithAlpha:
 
 class DKEF(nn.Module):
     independent_rows = True  # log p̃(x_n) depends on row n only: exact SM may replicate x (src/objectives/sm.py)
+    stack_kernels = True  # DEQ features of the kernels as one stacked DEQ where they qualify (:meth:`stacked`)
 
     def __init__(
         self,
@@ -137,7 +144,20 @@ class DKEF(nn.Module):
     def _all_features(self, x: torch.Tensor) -> torch.Tensor:
         """Features of every kernel side by side: [N, n_kernels * F]."""
         with record_function(PHASE_INDUCING if x is self.inducing else PHASE_FEATURES):
+            if self.stacked():
+                return self._side_by_side(stacked_features(self.features, x))
             return torch.cat([phi(x) for phi in self.features], dim=-1)
+
+    @staticmethod
+    def _side_by_side(u: torch.Tensor) -> torch.Tensor:
+        """The stacked features ``[R, N, F]`` as ``[N, R * F]`` (kernel r's in columns r·F … (r + 1)·F − 1)."""
+        return u.transpose(0, 1).reshape(u.shape[1], -1)
+
+    def stacked(self) -> bool:
+        """Whether the kernels' feature networks run as one stacked DEQ (src/models/stacked_features.py: dense DEQ
+        features with the phantom backward; ``stack_kernels`` False turns it off, for comparisons)."""
+        return (self.stack_kernels and not torch.is_autocast_enabled(self.inducing.device.type)
+                and stackable(self.features))
 
     def _split(self, u: torch.Tensor) -> list[torch.Tensor]:
         return list(u.chunk(len(self.features), dim=-1))
@@ -153,15 +173,21 @@ class DKEF(nn.Module):
         finally:
             self._inducing_cache = None
 
-    def _inducing_features(self) -> torch.Tensor:
+    def _inducing_features(self, first_order: bool = False) -> torch.Tensor:
         """φ(z) of every kernel for the inducing points, [M, n_kernels * F] (shared within
-        :meth:`shared_inducing_features`)."""
+        :meth:`shared_inducing_features`). ``first_order``: the caller differentiates them once, w.r.t. the
+        parameters (the jet route); a later caller that needs every order (the autograd route, CP's graph walk)
+        gets them computed anew in their every-order form, which then stays shared."""
         cache = self._inducing_cache
-        if cache is not None and cache:
-            return cache[0]
-        uz = self._all_features(self.inducing)
+        if cache and (first_order or not cache[0][1]):
+            return cache[0][0]
+        if first_order and self.stacked():  # differentiated once, w.r.t. the parameters: fewer bytes kept
+            with record_function(PHASE_INDUCING):
+                uz = self._side_by_side(stacked_features(self.features, self.inducing, first_order=True))
+        else:
+            uz = self._all_features(self.inducing)
         if cache is not None:
-            cache.append(uz)
+            cache[:] = [(uz, first_order)]
         return uz
 
     def kernel_matrix(self, x: torch.Tensor) -> torch.Tensor:
@@ -234,8 +260,11 @@ class DKEF(nn.Module):
         where J_r[n] = (∂u_r/∂x)ᵀ is stored ``[D, F]``, so the module docstring's Jᵀ(u − u_m) is J_r[n](u − u_m) here,
         and ‖J_r[n]v‖² = vᵀ(J_r[n]ᵀJ_r[n])v goes through the [F, F] Gram matrix: no [N, D, M] tensor is formed.
         Returns J = [J_1 | J_2 | …] ``[N, D, R·F]``, B ``[N, M, R·F]`` and Δₓk ``[N, M]``."""
-        jets = [feature_jet(phi, x) for phi in self.features]
-        uz_all = self._inducing_features()
+        if self.stacked():
+            jets = list(zip(*(t.unbind(0) for t in stacked_jets(self.features, x))))
+        else:
+            jets = [feature_jet(phi, x) for phi in self.features]
+        uz_all = self._inducing_features(first_order=True)
         with record_function(PHASE_KERNEL_DERIVATIVES):
             rho = torch.softmax(self.kernel_logits, 0)
             lap = 0.0
