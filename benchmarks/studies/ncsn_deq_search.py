@@ -259,7 +259,11 @@ def render(res: dict) -> str:
              "Protocol: `experiment=ncsn_mnist_long` for 1500 steps at seed 0, FID of 1000 samples ± its 100-draw "
              "bootstrap sd (real-vs-real floor 22.2). Cost ratios: 20-step runs beside a TwoRes run, one thread each "
              "(`ncsn_mdeq_cost.md`); RefineNet's there: "
-             f"{refinenet['time_ratio']:.2f}× time, {refinenet['bytes_ratio']:.2f}× bytes (the cost gate)."), ""]
+             f"{refinenet['time_ratio']:.2f}× time, {refinenet['bytes_ratio']:.2f}× bytes (the cost gate). Sampling: "
+             "`src.sample n=64 seed=0` of the design's 1500-step checkpoint and of a TwoRes checkpoint of the same "
+             "experiment at the same time, one thread each, wall time with start-up (TwoRes has no solver, so its "
+             "sampling time does not depend on how long it trained: a 5-step run, "
+             "`python -m src.train experiment=ncsn_mnist_long deq=false depth=1 trainer.max_steps=5 seed=0`)."), ""]
     rows = []
     for design, r in res["designs"].items():
         t, g = r["training"], r["gates"]
