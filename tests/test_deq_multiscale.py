@@ -21,7 +21,8 @@ UNROLL = 110  # the reference: autograd through 110 iterations of φ from zero (
 # the two-resolution group-norm map converges slowly (≈ 45 iterations to 1e-13): its third-order checks take ~2 min
 # and run with the slow tests (`make test-all`); its input gradient (finite differences) and penalty run always
 SLOW_GN = pytest.param("mdeq_gn", (2, 4), marks=pytest.mark.slow, id="mdeq_gn-two_resolutions")
-CASES = [pytest.param("resblock", (2,), id="resblock-one_resolution"),
+# slow: resblock-two_resolutions runs this branch's cell, the second branch and the fusion at every order
+CASES = [pytest.param("resblock", (2,), marks=pytest.mark.slow, id="resblock-one_resolution"),
          pytest.param("resblock", (2, 4), id="resblock-two_resolutions"),
          pytest.param("mdeq_gn", (2,), id="mdeq_gn-one_resolution"), SLOW_GN]
 

@@ -23,11 +23,15 @@ def _run(module: str, args: list[str], full_error: bool = False) -> subprocess.C
 
 @pytest.mark.parametrize("overrides, line", [
     (["deq.max_iter=0"], "ValueError: deq.max_iter must be >= 1, got 0"),
-    (["deq.norm_lambda=0.5"], ("ValueError: deq.norm_lambda=0.5 is invalid: it must be > 1 so that the DEQ map is a "
-                               "contraction (paper §3.2: W <- W / (lambda ||W||_F))")),
-    (["data=redwine", "data.root={root}", "data.download=false"],
-     ("FileNotFoundError: data file 'winequality-red.csv' not found (searched: {root}/wine-quality/winequality-red.csv, "
-      "{root}/winequality-red.csv); download=False, so it was not downloaded.")),
+    # slow: deq.max_iter=0 covers the same one_line_errors() path; test_train.py checks the message in-process
+    pytest.param(["deq.norm_lambda=0.5"],
+                 ("ValueError: deq.norm_lambda=0.5 is invalid: it must be > 1 so that the DEQ map is a "
+                  "contraction (paper §3.2: W <- W / (lambda ||W||_F))"), marks=pytest.mark.slow),
+    # slow: deq.max_iter=0 covers the same one_line_errors() path; test_train.py checks the message in-process
+    pytest.param(["data=redwine", "data.root={root}", "data.download=false"],
+                 ("FileNotFoundError: data file 'winequality-red.csv' not found (searched: "
+                  "{root}/wine-quality/winequality-red.csv, {root}/winequality-red.csv); download=False, so it was "
+                  "not downloaded."), marks=pytest.mark.slow),
 ])
 def test_train_prints_the_projects_line_and_exits_1(tmp_path, overrides, line):
     root = tmp_path / "nowhere"
@@ -47,7 +51,8 @@ def test_train_keeps_the_traceback_with_hydra_full_error(tmp_path):
     assert "ValueError: deq.max_iter must be >= 1, got 0" in done.stderr
 
 
-@pytest.mark.parametrize("module", ["src.evaluate", "src.sample"])
+# slow: src.sample covers src.evaluate's case, the two entry points run the same report_errors() wrapper
+@pytest.mark.parametrize("module", [pytest.param("src.evaluate", marks=pytest.mark.slow), "src.sample"])
 def test_evaluate_and_sample_print_one_line(tmp_path, module):
     missing = tmp_path / "nowhere" / "last.ckpt"
     done = _run(module, [f"ckpt_path={missing}"])

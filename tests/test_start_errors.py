@@ -88,6 +88,8 @@ def test_old_optimiser_spelling_on_the_command_line(tmp_path):
     assert "Traceback" not in done.stderr and len(lines) == 2  # and Hydra's HYDRA_FULL_ERROR=1 hint
 
 
+# slow: covered by test_bad_learning_rate_is_one_line_at_start_up + test_one_line_errors.py's command line
+@pytest.mark.slow
 def test_bad_learning_rate_on_the_command_line(tmp_path):
     """The user's view: the message itself, no torch traceback, before any training step."""
     cmd = [sys.executable, "-m", "src.train", *FAST, "model.optimizer.lr=-1e-3", f"hydra.run.dir={tmp_path}"]
@@ -158,6 +160,8 @@ def test_impossible_deq_combinations_are_one_line_at_build(overrides, expected):
     assert _refused(overrides) == expected
 
 
+# slow: covered by test_impossible_deq_combinations_are_one_line_at_build + test_one_line_errors.py's command line
+@pytest.mark.slow
 def test_impossible_deq_combinations_on_the_command_line(tmp_path):
     """The user's view of both refusals: the message, before any training step."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

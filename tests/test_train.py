@@ -16,8 +16,11 @@ from tests.conftest import FAST, FAST_MODEL, compose_train
 LOSSES = ["sm", "ssm", "ssm_vr", "dsm", "cp"]
 
 
-@pytest.mark.parametrize("deq", ["true", "false"])
-@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("loss, deq", [
+    *((loss, "true") for loss in LOSSES), ("sm", "false"),
+    # slow: every loss trains through the DEQ above, and sm-false covers the explicit net's path
+    *(pytest.param(loss, "false", marks=pytest.mark.slow) for loss in LOSSES if loss != "sm"),
+])
 def test_fast_dev_run_every_loss_and_deq(tmp_path, loss, deq):
     cfg = compose_train([*FAST, "model=dkef", f"loss={loss}", f"deq={deq}", "trainer.fast_dev_run=true"], tmp_path)
     metrics = train(cfg)
@@ -56,8 +59,12 @@ NICE_FAST = ["logger=none", "callbacks=minimal", "model=nice", "data=mnist", "da
              "data.batch_size=16", "data.eval_batch_size=64"]
 
 
-@pytest.mark.parametrize("deq", ["true", "false"])
-@pytest.mark.parametrize("loss", ["mle", *LOSSES])
+@pytest.mark.parametrize("loss, deq", [
+    ("mle", "true"), ("mle", "false"), ("dsm", "true"),
+    # slow: NICE runs each objective's generic path (every loss: test_fast_dev_run_every_loss_and_deq) as dsm does
+    *(pytest.param(loss, deq, marks=pytest.mark.slow) for loss in LOSSES for deq in ("true", "false")
+      if (loss, deq) != ("dsm", "true")),
+])
 def test_fast_dev_run_nice(tmp_path, mnist_root, loss, deq):
     cfg = compose_train([*NICE_FAST, f"data.root={mnist_root}", f"loss={loss}", f"deq={deq}"], tmp_path)
     train(cfg)
