@@ -24,9 +24,15 @@ by the user's own command (``python -m src.train``), read from their run directo
 seconds and saved bytes per step, each arm against the TwoRes run of its round.
 
     python -m benchmarks.studies.ncsn_deq_cost cost --root <data dir> [--arms record,twores] [--rounds 2]
+    python -m benchmarks.studies.ncsn_deq_cost families --root <data dir> --revs <before>,HEAD --clock cpu --untraced
     python -m benchmarks.studies.ncsn_deq_cost frontier --runs <dir with one run dir per arm>
     python -m benchmarks.studies.ncsn_deq_cost acceptance --runs <dir of 40-step runs named <tag>_r<round>_<arm>>
     python -m benchmarks.studies.ncsn_deq_cost --render
+
+**Before and after** (``--revs A,B`` with a cost section): every arm at each revision as committed (its ``src`` and
+``conf`` unpacked, :func:`benchmarks.lib.step_cases.rev_trees`), the revisions' processes alternating within each
+arm; ``--untraced`` times the steps without the profiler (its per-operator overhead would weigh on the revision
+with more small operators), the bytes then in total only. Stored as ``<section>_revs``.
 
 Writes ``benchmarks/results/ncsn_deq_cost.{json,md}`` (each call replaces its own section).
 """

@@ -110,11 +110,16 @@ def built_in_map(name: str):
 
 def describe_map(phi) -> dict:
     """φ as plain data a weights-only load can read: its name in :data:`MAP_MODULES` and, for a map object, its
-    attributes (numbers, strings, booleans, None)."""
+    attributes (numbers, strings, booleans, None, and tuples or lists of them)."""
     if callable(phi) and not isinstance(phi, type) and hasattr(phi, "__name__"):  # a module-level function
         return {"name": phi.__name__, "attrs": None}
+    def plain(v):
+        if isinstance(v, (list, tuple)):
+            return all(plain(x) for x in v)
+        return isinstance(v, (int, float, str, bool, type(None)))
+
     attrs = dict(vars(phi))
-    bad = [k for k, v in attrs.items() if not isinstance(v, (int, float, str, bool, type(None)))]
+    bad = [k for k, v in attrs.items() if not plain(v)]
     if bad:
         raise ValueError(f"map {type(phi).__name__} holds {', '.join(bad)}: not plain data, cannot be exported")
     return {"name": type(phi).__name__, "attrs": attrs}
