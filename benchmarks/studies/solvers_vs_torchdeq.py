@@ -31,7 +31,9 @@ set so that each evaluates f exactly ``evals`` times, counted).
 **Timing.** Each side is one persistent worker process (one thread); the two alternate round by round (``--rounds``,
 the side that goes first alternating too), after counted warm-up solves; in a round each configuration is timed
 once, or for a small map as often as fits in 0.1 s (at most 20 times, the least kept); a figure is the minimum over
-the rounds (the median shows the load of this shared machine).
+the rounds (the median shows the load of this shared machine). The clock is each worker's CPU time by default
+(``--clock cpu``: one thread, so the solve's compute without the waits while other jobs hold the cores — on a
+loaded machine a wall clock turns a 3 ms solve into 3-60 ms), or ``--clock wall``.
 """
 
 from __future__ import annotations
@@ -214,14 +216,19 @@ def _rel_at_return(f, z) -> float:
     return float(((fz - z).flatten(1).norm(dim=1) / fz.flatten(1).norm(dim=1).clamp_min(1e-30)).max())
 
 
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+CLOCK = {"now": time.process_time}  # the worker's clock (``--clock``)
+
+
 def _min_time(run, budget_s: float = 0.1, most: int = 20) -> tuple[float, object]:
     """(the least seconds of ``run()`` over repeats, its result): repeated while they take less than ``budget_s``
     together (a solve of a small map takes ~1 ms: one call is all noise), at most ``most`` times."""
     best, spent, out = float("inf"), 0.0, None
+    now = CLOCK["now"]
     for _ in range(most):
-        t0 = time.perf_counter()
+        t0 = now()
         out = run()
-        dt = time.perf_counter() - t0
+        dt = now() - t0
         best, spent = min(best, dt), spent + dt
         if spent >= budget_s:
             break
@@ -288,10 +295,11 @@ class Side:
         return out
 
 
-def serve(side: str) -> None:
+def serve(side: str, clock: str) -> None:
     """A persistent worker: one JSON request a line on stdin, one JSON answer a line on stdout."""
     import torch
 
+    CLOCK["now"] = CLOCKS[clock]
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
     worker = Side(side)
@@ -302,11 +310,11 @@ def serve(side: str) -> None:
 
 
 class Worker:
-    def __init__(self, python: str, side: str):
+    def __init__(self, python: str, side: str, clock: str):
         root = Path(__file__).resolve().parents[2]
         env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.side = side
-        self.proc = subprocess.Popen([python, "-m", MODULE, "--serve", side], cwd=root, env=env, text=True,
+        self.proc = subprocess.Popen([python, "-m", MODULE, "--serve", side, "--clock", clock], cwd=root, env=env, text=True,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
     def ask(self, spec: dict) -> dict:
@@ -356,9 +364,10 @@ def render(res: dict) -> str:
     meta = res["meta"]
     lines = ["# Forward solvers beside TorchDEQ 0.1.0", "", f"`{meta['command']}`", "",
              (f"Machine: {meta['machine']}; load average at the start {meta.get('load_average', '?')}; TorchDEQ "
-              f"side: {meta.get('torchdeq') or 'not run'}. Times in ms, min (median) over {meta.get('rounds', '?')} "
-              "rounds, the two sides' persistent workers alternating round by round (a shared machine: read the "
-              "minimums). Rule: every sample's ‖f(z) − z‖ / ‖f(z)‖ < 1e-4, from zeros, at most 100 evaluations; "
+              f"side: {meta.get('torchdeq') or 'not run'}. Times in ms "
+              f"({'each worker process’s CPU time, one thread' if meta.get('clock') == 'cpu' else 'wall time'}), "
+              f"min (median) over {meta.get('rounds', '?')} rounds, the two sides' persistent workers alternating "
+              "round by round (a shared machine: read the minimums). Rule: every sample's ‖f(z) − z‖ / ‖f(z)‖ < 1e-4, from zeros, at most 100 evaluations; "
               "*rel at return* recomputes it from the returned z. *Same work*: each solver evaluates f exactly the "
               "number of times our default Anderson needs to the rule (the evaluations column of that comparison), "
               "the stop rule off. Our Anderson's λ is relative to its Gram matrix's scale, TorchDEQ's absolute."), ""]
@@ -413,13 +422,15 @@ def main(argv=None) -> None:
                     help="a src.train checkpoint whose DEQ blocks are measured (repeatable)")
     ap.add_argument("--root", default=None, help="data.root of the checkpoints' runs (their test images)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
+                    help="cpu: each worker's CPU time (one thread; robust to other processes' load), or wall time")
     ap.add_argument("--note", default=None, help="a markdown file printed below the summary")
     ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     ap.add_argument("--name", default=STEM)
     args = ap.parse_args(argv)
     if args.serve:
-        serve(args.serve)
+        serve(args.serve, args.clock)
         return
     from benchmarks.lib.results import load_results, machine_facts, rerender, script_command, write_results
 
@@ -431,7 +442,7 @@ def main(argv=None) -> None:
     torch.set_num_threads(1)
     placeholders = {args.torchdeq_python: "<venv>/bin/python"} if args.torchdeq_python else {}
     res = {"meta": {"command": script_command(MODULE, argv, data_root=args.root, placeholders=placeholders),
-                    "machine": machine_facts(), "rounds": args.rounds,
+                    "machine": machine_facts(), "rounds": args.rounds, "clock": args.clock,
                     "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()),
                     "torchdeq": "torchdeq 0.1.0, torch 2.13.0 (a separate environment)" if args.torchdeq_python
                     else None,
@@ -450,9 +461,9 @@ def main(argv=None) -> None:
         for spec in specs.values():
             spec["evals"], sources[spec["key"]]["state"] = _evals_of_our_anderson(spec)
             print(spec["key"], "evals", spec["evals"], flush=True)
-        workers = {"ours": Worker(sys.executable, "ours")}
+        workers = {"ours": Worker(sys.executable, "ours", args.clock)}
         if args.torchdeq_python:
-            workers["torchdeq"] = Worker(args.torchdeq_python, "torchdeq")
+            workers["torchdeq"] = Worker(args.torchdeq_python, "torchdeq", args.clock)
         rounds = {(k, s): [] for k in specs for s in workers}
         try:
             for r in range(args.rounds):
