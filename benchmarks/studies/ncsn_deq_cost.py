@@ -261,6 +261,7 @@ def run_cost(args) -> dict:
     if unknown:
         raise SystemExit(f"unknown arm(s) {', '.join(unknown)}; valid: {', '.join(catalogue)}")
     revs = [r.strip() for r in args.revs.split(",") if r.strip()] if args.revs else [None]
+    labels = {rev: f"{rev} ({commit_of(rev)})" for rev in revs if rev}  # the commits measured, named at the start
     records: dict[tuple, list] = collections.defaultdict(list)
     with tempfile.TemporaryDirectory(prefix="deqsm_ncsn_cost_") as tmp:
         trees = rev_trees(revs, Path(tmp)) if args.revs else {None: None}
@@ -292,7 +293,7 @@ def run_cost(args) -> dict:
             **({"clock": "cpu"} if args.clock == "cpu" else {}), **({"untraced": True} if args.untraced else {}),
             "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()), "base": base, "note": _note(args)}
     if args.revs:
-        return {"meta": meta, "revs": {f"{rev} ({commit_of(rev)})": rows for rev, rows in by_rev.items()}}
+        return {"meta": meta, "revs": {labels[rev]: rows for rev, rows in by_rev.items()}}
     return {"meta": meta, "rows": by_rev[None]}
 
 
