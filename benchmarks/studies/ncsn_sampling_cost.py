@@ -13,8 +13,13 @@ torch thread. Per round: wall seconds and this process's CPU seconds (a loaded m
 it) per image, and for the DEQ the forward solver's iterations per network evaluation (mean, max) and its cap hits
 (:func:`src.deq.lookup.forward_infos`).
 
-    python -m benchmarks.studies.ncsn_sampling_cost --ckpt 'record 500=<run dir>/checkpoints/last.ckpt' --n 16
+    python -m benchmarks.studies.ncsn_sampling_cost --ckpt 'record 500=<run dir>/checkpoints/last.ckpt' --n 16 \
+        [--set model.sampling.n_steps_each=20 --set model.sampling.step_lr=2e-5] [--add]
     python -m benchmarks.studies.ncsn_sampling_cost --render
+
+``--set KEY=VALUE`` overrides the run config of both networks (a run that ran only ``eval=quick``'s sampling is
+measured at its experiment's Langevin settings this way); ``--add`` keeps the checkpoints already in the results
+(each row records its own command).
 """
 
 from __future__ import annotations
@@ -107,9 +112,11 @@ def _ratio(res: dict, key: str, agg) -> float:
 
 def render(res: dict) -> str:
     meta = res["meta"]
-    lines = ["# NCSN sampling time per image: the DEQ against TwoRes", "", f"`{meta['command']}`", "",
-             (f"Machine: {meta['machine']}; load average at the start {meta.get('load_average', '?')}. {meta['n']} "
-              f"images a call, {meta['rounds']} rounds, DEQ and TwoRes alternating (see the study's docstring: TwoRes "
+    commands = list(dict.fromkeys(r.get("command", meta["command"]) for r in res["checkpoints"].values()))
+    lines = ["# NCSN sampling time per image: the DEQ against TwoRes", "", *[f"`{c}`" for c in commands], "",
+             (f"Machine: {meta['machine']}; load average at the start of each command "
+              f"{'; '.join(dict.fromkeys(r.get('load_average', '?') for r in res['checkpoints'].values()))}. "
+              "Images a call and rounds as each command says; DEQ and TwoRes alternating (see the study's docstring: TwoRes "
               "is the run's config with `deq.enabled=false depth=1 model.arch=deq`, untrained, whose sampling cost "
               "does not depend on its weights). Seconds per image: min (median) over the rounds; CPU = this "
               f"process's CPU time (one torch thread). Bound (issue 60): DEQ ≤ {BOUND}× TwoRes."), ""]
@@ -145,6 +152,9 @@ def main(argv=None) -> None:
     ap.add_argument("--n", type=int, default=16, help="images a sampling call")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a run-config override for both networks (repeatable)")
+    ap.add_argument("--add", action="store_true", help="keep the checkpoints already in the results")
     ap.add_argument("--note", default=None, help="a markdown file written below the table (the finding)")
     result_options(ap, STEM)
     args = ap.parse_args(argv)
@@ -157,15 +167,17 @@ def main(argv=None) -> None:
     import torch
 
     torch.set_num_threads(1)
-    overrides = [f"data.root={args.root}"] if args.root else []
-    res = {"meta": {"command": script_command(MODULE, argv, data_root=args.root), "machine": machine_facts(),
+    overrides = ([f"data.root={args.root}"] if args.root else []) + list(args.set)
+    old = load_results(args.out, args.name) if args.add else {}
+    command = script_command(MODULE, argv, data_root=args.root)
+    res = {"meta": {"command": command, "machine": machine_facts(),
                     "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()), "n": args.n,
                     "rounds": args.rounds, "seed": args.seed,
-                    "note": Path(args.note).read_text() if args.note else load_results(args.out, args.name)
-                    .get("meta", {}).get("note")},
-           "checkpoints": {}}
+                    "note": Path(args.note).read_text() if args.note else old.get("meta", {}).get("note")},
+           "checkpoints": dict(old.get("checkpoints", {}))}
     for label, path in args.ckpt:
-        res["checkpoints"][label] = measure(label, path, args, overrides)
+        res["checkpoints"][label] = {**measure(label, path, args, overrides), "command": command,
+                                     "load_average": res["meta"]["load_average"], "n": args.n, "rounds": args.rounds}
         write_results(args.out, args.name, res, render)
     print(f"-> {Path(args.out) / args.name}.md")
 
