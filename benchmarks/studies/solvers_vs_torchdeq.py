@@ -424,7 +424,7 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
                     help="cpu: each worker's CPU time (one thread; robust to other processes' load), or wall time")
-    ap.add_argument("--note", default=None, help="a markdown file printed below the summary")
+    ap.add_argument("--note", default=None, help="a markdown file printed below the summary (with --render: stored)")
     ap.add_argument("--render", action="store_true", help="run nothing: rebuild the markdown from the JSON")
     ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "results")
     ap.add_argument("--name", default=STEM)
@@ -432,10 +432,9 @@ def main(argv=None) -> None:
     if args.serve:
         serve(args.serve, args.clock)
         return
-    from benchmarks.lib.results import load_results, machine_facts, rerender, script_command, write_results
+    from benchmarks.lib.results import load_results, machine_facts, rendered, script_command, write_results
 
-    if args.render:
-        rerender(args.out, args.name, render)
+    if rendered(args, args.name, render):  # --render [--note FILE]
         return
     import torch
 
