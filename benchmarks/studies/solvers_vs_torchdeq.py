@@ -280,7 +280,7 @@ class Side:
         if key not in self.maps:
             self.maps[key] = load_map(spec)
         f, z0 = self.maps[key]
-        names = list(OURS if self.side == "ours" else THEIRS)
+        names = [n for n in (OURS if self.side == "ours" else THEIRS) if n not in spec.get("skip", ())]
         out = {}
         with torch.no_grad():
             for name in names:
@@ -422,6 +422,7 @@ def main(argv=None) -> None:
                     help="a src.train checkpoint whose DEQ blocks are measured (repeatable)")
     ap.add_argument("--root", default=None, help="data.root of the checkpoints' runs (their test images)")
     ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--skip", default="", help="solver configurations left out, comma-separated (e.g. broyden)")
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
                     help="cpu: each worker's CPU time (one thread; robust to other processes' load), or wall time")
     ap.add_argument("--note", default=None, help="a markdown file printed below the summary (with --render: stored)")
@@ -449,13 +450,14 @@ def main(argv=None) -> None:
                     .get("meta", {}).get("note")},
            "maps": {}}
     with tempfile.TemporaryDirectory(prefix="deqsm_solver_maps_") as tmp:
-        specs = {m: {"key": m, "map": m} for m in filter(None, args.maps.split(","))}
+        skip = [s.strip() for s in args.skip.split(",") if s.strip()]
+        specs = {m: {"key": m, "map": m, "skip": skip} for m in filter(None, args.maps.split(","))}
         sources = {m: {"what": "Initialisation weights (fixed seeds); see the study's docstring."} for m in specs}
         overrides = [f"data.root={args.root}"] if args.root else []
         for item in args.ckpt:
             label, path = item.rsplit("=", 1)
             for key, src in export_checkpoint_maps(label, path, Path(tmp), overrides).items():
-                specs[key] = {"key": key, "file": src.pop("file")}
+                specs[key] = {"key": key, "file": src.pop("file"), "skip": skip}
                 sources[key] = src
         for spec in specs.values():
             spec["evals"], sources[spec["key"]]["state"] = _evals_of_our_anderson(spec)
