@@ -177,7 +177,7 @@ def main(argv=None) -> None:
            "checkpoints": dict(old.get("checkpoints", {}))}
     for label, path in args.ckpt:
         res["checkpoints"][label] = {**measure(label, path, args, overrides), "command": command,
-                                     "load_average": res["meta"]["load_average"], "n": args.n, "rounds": args.rounds}
+                                     "load_average": res["meta"]["load_average"], "n": args.n}
         write_results(args.out, args.name, res, render)
     print(f"-> {Path(args.out) / args.name}.md")
 
