@@ -360,8 +360,29 @@ def _best(entries: dict, column: str, anderson_only: bool = False) -> tuple[str,
     return name, cands[name]
 
 
+def _render_sequential(res: dict) -> str:
+    """The table of a result made before the persistent, alternating workers (no ``meta.clock``): each side's
+    solves in one process after the other, wall time, random-weight maps, "same work" not counted."""
+    meta = res["meta"]
+    lines = ["# Forward solvers beside TorchDEQ 0.1.0", "", f"`{meta['command']}`", "",
+             (f"Machine: {meta['machine']}; TorchDEQ side: {meta.get('torchdeq') or 'not run'}. "
+             "Times in ms, min (median) over the repeats; a shared machine: differences under ~10 % are noise."), ""]
+    for map_name, sides in res["maps"].items():
+        lines += [f"## {map_name} (same work: {sides['evals']} evaluations of f)", "",
+                  "| side | solver | same work ms | to rel 1e-4: ms | evaluations |", "|---|---|---|---|---|"]
+        for side in ("ours", "torchdeq"):
+            for name, r in sides.get(side, {}).items():
+                cell = (lambda v: f"{min(v):.1f} ({statistics.median(v):.1f})")
+                lines.append(f"| {side} | {name} | {cell(r['same_work_ms'])} | {cell(r['to_tol_ms'])} | "
+                             f"{r['to_tol_evals']} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
 def render(res: dict) -> str:
     meta = res["meta"]
+    if "clock" not in meta:
+        return _render_sequential(res)
     lines = ["# Forward solvers beside TorchDEQ 0.1.0", "", f"`{meta['command']}`", "",
              (f"Machine: {meta['machine']}; load average at the start {meta.get('load_average', '?')}; TorchDEQ "
               f"side: {meta.get('torchdeq') or 'not run'}. Times in ms "
