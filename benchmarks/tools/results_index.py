@@ -84,8 +84,8 @@ RETIRED = {
 # what each result shows, one line (the paper's table or the question it answers)
 SHOWS = {
     "solvers_vs_torchdeq": "Forward solvers beside TorchDEQ 0.1.0 (its Anderson at several m and λ) on the trained maps "
-                           "of record (ncsn_mnist, a 300-step ncsn_mnist_long, the DKEF main job's three blocks) and "
-                           "two random-weight maps: time to a per-sample relative 1e-4 and at equal work.",
+                           "of record (ncsn_mnist at step 150 of 500, ncsn_mnist_long at step 200 of a 300-step run, the "
+                           "DKEF main job's three blocks): time to a per-sample relative 1e-4 and at equal work.",
     "ncsn_sampling_cost": "Annealed Langevin sampling seconds per image of trained DEQ-NCSN checkpoints against TwoRes "
                           "at the same settings (issue 60's bound: 1.15x).",
     "dkef_block_cost": "DKEF's DEQ blocks (the record, its implicit backward, the paper's) against the 3-layer net, "
