@@ -443,7 +443,8 @@ def main(argv=None) -> None:
                     help="a src.train checkpoint whose DEQ blocks are measured (repeatable)")
     ap.add_argument("--root", default=None, help="data.root of the checkpoints' runs (their test images)")
     ap.add_argument("--rounds", type=int, default=7)
-    ap.add_argument("--skip", default="", help="solver configurations left out, comma-separated (e.g. broyden)")
+    ap.add_argument("--skip", action="append", default=[], metavar="NAME",
+                    help="a solver configuration left out, as the tables name it (repeatable; e.g. broyden)")
     ap.add_argument("--clock", choices=tuple(CLOCKS), default="cpu",
                     help="cpu: each worker's CPU time (one thread; robust to other processes' load), or wall time")
     ap.add_argument("--note", default=None, help="a markdown file printed below the summary (with --render: stored)")
@@ -471,7 +472,7 @@ def main(argv=None) -> None:
                     .get("meta", {}).get("note")},
            "maps": {}}
     with tempfile.TemporaryDirectory(prefix="deqsm_solver_maps_") as tmp:
-        skip = [s.strip() for s in args.skip.split(",") if s.strip()]
+        skip = [s.strip() for s in args.skip]  # names hold commas: one option per name
         specs = {m: {"key": m, "map": m, "skip": skip} for m in filter(None, args.maps.split(","))}
         sources = {m: {"what": "Initialisation weights (fixed seeds); see the study's docstring."} for m in specs}
         overrides = [f"data.root={args.root}"] if args.root else []
