@@ -181,7 +181,8 @@ def export_checkpoint_maps(label: str, ckpt: str, folder: Path, overrides: list[
     ran = run_dir / ".hydra" / "overrides.yaml"
     from omegaconf import OmegaConf
 
-    command = ("python -m src.train " + " ".join(OmegaConf.load(ran))) if ran.is_file() else None
+    shown = [re.sub(r"^data\.root=.*", "data.root=<data dir>", o) for o in OmegaConf.load(ran)] if ran.is_file() else []
+    command = ("python -m src.train " + " ".join(shown)) if shown else None  # no path of this machine
     step = load_checked(ckpt, mmap=True).get("global_step")
     out = {}
     for name, block in blocks:
