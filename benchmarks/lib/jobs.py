@@ -35,14 +35,15 @@ def thread_env(threads: int | None = 1) -> dict[str, str]:
 
 
 def run_process(cmd: Sequence[str], env: dict | None = None, capture: bool = True,
-                timeout_s: float | None = None) -> dict:
-    """Run ``cmd`` in the repository (its own process group). Returns ``{"code", "wall_s", "stdout" (its whole
+                timeout_s: float | None = None, cwd: Path | None = None) -> dict:
+    """Run ``cmd`` in the repository (or ``cwd``: a revision's tree, :func:`benchmarks.lib.step_cases.rev_env`; its
+    own process group). Returns ``{"code", "wall_s", "stdout" (its whole
     output; "" unless ``capture``), "tail" (the last 2000 characters of its stderr, of its stdout when stderr is
     empty), "stopped"}``; after ``timeout_s`` the process and all it started are killed (``stopped`` True,
     ``code`` None)."""
     pipe = subprocess.PIPE if capture else None
     t0 = time.perf_counter()
-    proc = subprocess.Popen(list(cmd), cwd=ROOT, env=env, stdout=pipe, stderr=pipe, text=True,
+    proc = subprocess.Popen(list(cmd), cwd=cwd or ROOT, env=env, stdout=pipe, stderr=pipe, text=True,
                             start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=None if timeout_s is None else max(1.0, timeout_s))

@@ -200,3 +200,22 @@ def snapshot(rev: str, dest: Path) -> Path:
                              capture_output=True).stdout
     subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
     return Path(dest)
+
+
+def rev_trees(revs: list[str], folder: Path) -> dict[str, Path]:
+    """``{rev: tree}``: each revision's ``src`` and ``conf`` unpacked (:func:`snapshot`) into its own sub-folder of
+    ``folder``, to be measured side by side with :func:`rev_env`."""
+    trees = {}
+    for i, rev in enumerate(revs):
+        (Path(folder) / f"rev{i}").mkdir(parents=True, exist_ok=True)
+        trees[rev] = snapshot(rev, Path(folder) / f"rev{i}")
+    return trees
+
+
+def rev_env(tree: Path, env: dict[str, str]) -> dict[str, str]:
+    """``env`` for a worker process of the revision unpacked at ``tree`` (:func:`rev_trees`): its ``src`` first on
+    the path, this repository's ``benchmarks`` after it. Run the worker with the tree as its working directory, so
+    that ``python -m`` does not put this repository's ``src`` first."""
+    import os
+
+    return dict(env, PYTHONPATH=os.pathsep.join([str(tree), str(ROOT)]))

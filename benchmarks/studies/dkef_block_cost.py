@@ -44,7 +44,7 @@ from benchmarks.lib.results import (
     script_command,
     write_results,
 )
-from benchmarks.lib.step_cases import ROOT, commit_of, snapshot
+from benchmarks.lib.step_cases import ROOT, commit_of, rev_env, rev_trees
 
 MODULE = "benchmarks.studies.dkef_block_cost"
 SETTINGS = {"main": {"dim": 10, "batch": 32, "record_k": 5}, "uci": {"dim": 11, "batch": 128, "record_k": 2}}
@@ -201,17 +201,13 @@ def main(argv=None) -> dict:
     revs = [r.strip() for r in args.revs.split(",") if r.strip()]
     settings = [s.strip() for s in args.settings.split(",") if s.strip()]
     with tempfile.TemporaryDirectory(prefix="deqsm_dkef_cost_") as tmp:
-        trees = {}
-        for rev in revs:
-            (Path(tmp) / rev).mkdir()
-            trees[rev] = snapshot(rev, Path(tmp) / rev)
+        trees = rev_trees(revs, Path(tmp))
         parts = {(s, rev): [] for s in settings for rev in revs}
         load = " ".join(f"{x:.2f}" for x in os.getloadavg())
         for _ in range(args.repeats):
             for s in settings:
                 for rev in revs:
-                    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(trees[rev]), str(ROOT)]),
-                               OMP_NUM_THREADS="1")
+                    env = rev_env(trees[rev], dict(os.environ, OMP_NUM_THREADS="1"))
                     out = subprocess.run([sys.executable, "-m", MODULE, "--worker", s, "--rounds", str(args.rounds),
                                           "--warmup", str(args.warmup), "--root", data_root],
                                          env=env, check=True, capture_output=True, text=True, cwd=trees[rev])

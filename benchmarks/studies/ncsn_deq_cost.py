@@ -24,9 +24,15 @@ by the user's own command (``python -m src.train``), read from their run directo
 seconds and saved bytes per step, each arm against the TwoRes run of its round.
 
     python -m benchmarks.studies.ncsn_deq_cost cost --root <data dir> [--arms record,twores] [--rounds 2]
+    python -m benchmarks.studies.ncsn_deq_cost families --root <data dir> --revs <before>,HEAD --clock cpu --untraced
     python -m benchmarks.studies.ncsn_deq_cost frontier --runs <dir with one run dir per arm>
     python -m benchmarks.studies.ncsn_deq_cost acceptance --runs <dir of 40-step runs named <tag>_r<round>_<arm>>
     python -m benchmarks.studies.ncsn_deq_cost --render
+
+**Before and after** (``--revs A,B`` with a cost section): every arm at each revision as committed (its ``src`` and
+``conf`` unpacked, :func:`benchmarks.lib.step_cases.rev_trees`), the revisions' processes alternating within each
+arm; ``--untraced`` times the steps without the profiler (its per-operator overhead would weigh on the revision
+with more small operators), the bytes then in total only. Stored as ``<section>_revs``.
 
 Writes ``benchmarks/results/ncsn_deq_cost.{json,md}`` (each call replaces its own section).
 """
@@ -38,8 +44,10 @@ import collections
 import contextlib
 import csv
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +60,7 @@ from benchmarks.lib.results import (
     result_options,
     script_command,
 )
+from benchmarks.lib.step_cases import commit_of, rev_env, rev_trees
 
 MODULE = "benchmarks.studies.ncsn_deq_cost"
 STEM = "ncsn_deq_cost"
@@ -171,7 +180,7 @@ def worker(spec: dict) -> dict:
         batches = iter([torch.rand(4, 3, 32, 32, generator=g) for _ in range(64)])
     else:
         base = FAMILY_BASE[spec["family"]].split() + ["logger=none"] if spec.get("family") else BASE
-        cfg = train_config([*base, f"data.root={spec['root']}", *spec["overrides"].split()])
+        cfg = train_config([*base, f"data.root={spec['root']}", *spec["overrides"].split()], spec.get("conf"))
         module = build(cfg.model)
         dm = build(cfg.data)
         dm.setup("fit")
@@ -193,26 +202,30 @@ def worker(spec: dict) -> dict:
 
     blocks = [b for _, b in blocks_of(module)]
     steps = []
+    traced = spec.get("trace", True)
     for k in range(int(spec["warmup"]) + int(spec["steps"])):
         batch = next(batches)
         seen: set = set()
+        total = {OUTSIDE: 0}
 
-        def pack(t, seen=seen):  # a marker span per distinct storage saved: its phase is the span around it
+        def pack(t, seen=seen, total=total):  # a marker span per distinct storage saved: its phase is the span around it
             storage = t.untyped_storage()
             if storage.data_ptr() not in seen:
                 seen.add(storage.data_ptr())
-                with record_function(f"{SAVED}{storage.nbytes()}"):
-                    pass
+                total[OUTSIDE] += storage.nbytes()
+                if traced:
+                    with record_function(f"{SAVED}{storage.nbytes()}"):
+                        pass
             return t
 
         timed = k >= int(spec["warmup"])
-        with (profile(activities=[ProfilerActivity.CPU]) if timed else contextlib.nullcontext()) as prof:
+        with (profile(activities=[ProfilerActivity.CPU]) if timed and traced else contextlib.nullcontext()) as prof:
             t0 = clock()
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 training_step(module, batch, optimizers)
             seconds = clock() - t0
-        if timed:
-            by_seconds, by_phase = phases_of_trace(prof.events())
+        if timed:  # untraced: the bytes' total only (no phases)
+            by_seconds, by_phase = phases_of_trace(prof.events()) if traced else ({}, total)
             its = [b.last_stats["iterations"] for b in blocks if b.last_stats]
             adjoint = [b.last_backward_stats["iterations"] for b in blocks if b.last_backward_stats]
             steps.append({"s": seconds, "saved_MB": sum(by_phase.values()) / MB,
@@ -238,25 +251,54 @@ def authors_arms() -> dict[str, tuple[str, str]]:
 
 
 def run_cost(args) -> dict:
+    """A step-cost section: every arm in its own process, round by round. With ``--revs`` every arm runs at each
+    revision as committed (its ``src`` and ``conf``, :func:`benchmarks.lib.step_cases.rev_trees`), the revisions
+    alternating within each arm and their order reversed every other round; the section then holds one row set per
+    revision (``{"meta", "revs": {rev: rows}}``)."""
     catalogue = {"families": family_arms(list(FAMILY_BASE)), "authors": authors_arms()}.get(args.section, ARMS)
     arms = args.arms.split(",") if args.arms else list(catalogue)
     unknown = [a for a in arms if a not in catalogue]
     if unknown:
         raise SystemExit(f"unknown arm(s) {', '.join(unknown)}; valid: {', '.join(catalogue)}")
-    records: dict[str, list] = collections.defaultdict(list)
-    for r in range(args.rounds):
-        for arm in (arms if r % 2 == 0 else arms[::-1]):
-            spec = {"arm": arm, "overrides": catalogue[arm][0], "root": args.root,
-                    "threads": args.threads, "warmup": args.warmup, "steps": args.steps, "setting": args.section,
-                    "family": arm.split("/")[0] if args.section == "families" else None, "clock": args.clock}
-            print(f"round {r + 1}/{args.rounds}: {arm} …", flush=True)
-            ran = run_process([sys.executable, "-m", MODULE, "--worker", json.dumps(spec)], thread_env(args.threads))
-            if ran["code"] != 0:
-                raise SystemExit(f"{arm} failed:\n{ran['tail']}")
-            rec = json.loads(ran["stdout"].strip().splitlines()[-1])
-            records[arm].extend(rec["steps"])
-            print(f"  {statistics.median(s['s'] for s in rec['steps']):.3f} s/step, "
-                  f"{max(s['saved_MB'] for s in rec['steps']):.1f} MB saved", flush=True)
+    revs = [r.strip() for r in args.revs.split(",") if r.strip()] if args.revs else [None]
+    labels = {rev: f"{rev} ({commit_of(rev)})" for rev in revs if rev}  # the commits measured, named at the start
+    records: dict[tuple, list] = collections.defaultdict(list)
+    with tempfile.TemporaryDirectory(prefix="deqsm_ncsn_cost_") as tmp:
+        trees = rev_trees(revs, Path(tmp)) if args.revs else {None: None}
+        root = str(Path(args.root).resolve()) if args.revs else args.root  # a worker runs in its revision's tree
+        for r in range(args.rounds):
+            for arm in (arms if r % 2 == 0 else arms[::-1]):
+                for rev in (revs if r % 2 == 0 else revs[::-1]):
+                    spec = {"arm": arm, "overrides": catalogue[arm][0], "root": root,
+                            "threads": args.threads, "warmup": args.warmup, "steps": args.steps,
+                            "setting": args.section, "family": arm.split("/")[0] if args.section == "families" else None,
+                            "clock": args.clock, "trace": not args.untraced,
+                            "conf": str(trees[rev] / "conf") if rev else None}
+                    print(f"round {r + 1}/{args.rounds}: {arm}{f' at {rev}' if rev else ''} …", flush=True)
+                    env = thread_env(args.threads)
+                    ran = run_process([sys.executable, "-m", MODULE, "--worker", json.dumps(spec)],
+                                      rev_env(trees[rev], env) if rev else env, cwd=trees[rev])
+                    if ran["code"] != 0:
+                        raise SystemExit(f"{arm} failed:\n{ran['tail']}")
+                    rec = json.loads(ran["stdout"].strip().splitlines()[-1])
+                    records[(rev, arm)].extend(rec["steps"])
+                    print(f"  {statistics.median(s['s'] for s in rec['steps']):.3f} s/step, "
+                          f"{max(s['saved_MB'] for s in rec['steps']):.1f} MB saved", flush=True)
+    by_rev = {rev: _rows({arm: steps for (r, arm), steps in records.items() if r == rev}, catalogue) for rev in revs}
+    base = {"authors": "the authors' CIFAR-10 SSM-VR settings: 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, "
+                       "Gaussian projections, uniform images",
+            "families": "; ".join(f"{f}: `{b}`" for f, b in FAMILY_BASE.items())}.get(args.section, " ".join(BASE))
+    meta = {"command": args.command, "machine": machine_facts(), "threads": args.threads,
+            "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
+            **({"clock": "cpu"} if args.clock == "cpu" else {}), **({"untraced": True} if args.untraced else {}),
+            "load_average": " ".join(f"{x:.2f}" for x in os.getloadavg()), "base": base, "note": _note(args)}
+    if args.revs:
+        return {"meta": meta, "revs": {labels[rev]: rows for rev, rows in by_rev.items()}}
+    return {"meta": meta, "rows": by_rev[None]}
+
+
+def _rows(records: dict[str, list], catalogue: dict) -> dict:
+    """The table rows of one revision's steps ``{arm: [step records]}``."""
     rows = {}
     for arm, steps in records.items():
         last = steps[-1]
@@ -264,6 +306,7 @@ def run_cost(args) -> dict:
         shown, what = catalogue[arm]
         rows[arm] = {"overrides": shown, "what": what, "steps": len(steps),
                      "s_per_step": statistics.median(s["s"] for s in steps),
+                     "s_min": min(s["s"] for s in steps), "s_max": max(s["s"] for s in steps),
                      "saved_MB": statistics.median(s["saved_MB"] for s in steps),
                      "iterations": statistics.mean(s["iterations"] for s in steps) if last["iterations"] else None,
                      "adjoint_iterations": statistics.mean(s["adjoint_iterations"] for s in steps)
@@ -271,13 +314,7 @@ def run_cost(args) -> dict:
                      "seconds_by_phase": {p: statistics.median(s["seconds_by_phase"].get(p, 0.0) for s in steps)
                                           for p in phases},
                      "saved_MB_by_phase": last["saved_MB_by_phase"]}
-    base = {"authors": "the authors' CIFAR-10 SSM-VR settings: 3×32×32, ngf 128, batch 4, 232 levels 50 → 0.01, "
-                       "Gaussian projections, uniform images",
-            "families": "; ".join(f"{f}: `{b}`" for f, b in FAMILY_BASE.items())}.get(args.section, " ".join(BASE))
-    return {"meta": {"command": args.command, "machine": machine_facts(), "threads": args.threads,
-                     "rounds": args.rounds, "warmup": args.warmup, "steps": args.steps,
-                     **({"clock": "cpu"} if args.clock == "cpu" else {}),
-                     "base": base, "note": _note(args)}, "rows": rows}
+    return rows
 
 
 def read_run(run_dir: Path) -> dict:
@@ -406,6 +443,57 @@ def _cost_lines(cost: dict, title: str) -> list[str]:
     return lines
 
 
+def _revs_lines(section: dict, title: str) -> list[str]:
+    """A step-cost section run at several revisions (``--revs``): per arm, each revision's s/step and saved MB, the
+    last revision over the first, and each revision's ratio to its own reference row (TwoRes, or the family's
+    explicit network)."""
+    from src.reports.tables import markdown_table
+
+    meta, by_rev = section["meta"], section["revs"]
+    revs = list(by_rev)
+    first = revs[0]
+    lines = [title.format(base=meta["base"]) + f": {' against '.join(revs[::-1])}", "",
+             (f"`{meta['command']}` — {meta['machine']}; load average at the start {meta.get('load_average', '?')}. "
+              f"Every arm in its own process at each revision as committed (its `src` and `conf`), the revisions "
+              f"alternating within each arm, {meta['rounds']} round(s) (arm and revision order reversed every other "
+              f"round), {meta['warmup']} warm-up + {meta['steps']} timed steps a process; s/step: the median of the "
+              "timed steps (in brackets the least and the largest), saved MB: bytes autograd saves for backward over "
+              "the whole step (distinct storages; deterministic)."
+              + (" Seconds are this process's CPU time (`--clock cpu`, one torch thread), not wall time."
+                 if meta.get("clock") == "cpu" else "")
+              + (" Steps timed without the profiler." if meta.get("untraced") else "")), ""]
+    lines += note_lines(meta)
+    arms = list(by_rev[first])
+    families = all("/" in arm for arm in arms)
+
+    def ref(rows, arm):
+        return rows.get(f"{arm.split('/')[0]}/explicit") if families else rows.get("twores")
+
+    head = ["arm", "overrides", *[f"s/step {r.split()[0]}" for r in revs], "time after / before",
+            *[f"saved MB {r.split()[0]}" for r in revs], "bytes after / before",
+            *[f"× {'explicit' if families else 'TwoRes'} {r.split()[0]} (time, bytes)" for r in revs], "fwd iters"]
+    body = []
+    for arm in arms:
+        rows = [by_rev[r].get(arm) for r in revs]
+        if any(x is None for x in rows):
+            continue
+        a, b = rows[0], rows[-1]
+
+        def span(x):
+            return f"{x['s_per_step']:.3f} ({x['s_min']:.3f}–{x['s_max']:.3f})" if "s_min" in x else _f(x["s_per_step"], 3)
+
+        refs = []
+        for r, x in zip(revs, rows):
+            base = ref(by_rev[r], arm)
+            refs.append(f"{x['s_per_step'] / base['s_per_step']:.2f}, {x['saved_MB'] / base['saved_MB']:.2f}"
+                        if base else "–")
+        body.append([arm, f"`{a['overrides']}`", *[span(x) for x in rows], _f(b["s_per_step"] / a["s_per_step"]),
+                     *[_f(x["saved_MB"], 1) for x in rows], _f(b["saved_MB"] / a["saved_MB"], 3), *refs,
+                     " / ".join(_f(x["iterations"], 1) for x in rows)])
+    lines += markdown_table(head, body) + [""]
+    return lines
+
+
 def _acceptance_lines(accept: dict) -> list[str]:
     """The issue's acceptance measurement: 40-step runs, each arm against the TwoRes run of its round."""
     from src.reports.tables import markdown_table
@@ -440,6 +528,8 @@ def render(res: dict) -> str:
                            ("families", "## A cost line for every family ({base}; each experiment's batches)")):
         if section in res:
             lines += _cost_lines(res[section], title)
+        if f"{section}_revs" in res:
+            lines += _revs_lines(res[f"{section}_revs"], title)
     accept = res.get("acceptance")
     if accept:
         lines += _acceptance_lines(accept)
@@ -478,6 +568,11 @@ def main(argv=None):
     ap.add_argument("--runs", type=Path, default=None,
                     help="frontier / acceptance: a folder of 300-step / 40-step run directories")
     ap.add_argument("--note", default=None, help="a markdown file: a finding, written below the section's table")
+    ap.add_argument("--revs", default=None,
+                    help="cost sections: comma-separated commits, each measured as committed, side by side (the "
+                         "section is stored as <section>_revs)")
+    ap.add_argument("--untraced", action="store_true",
+                    help="cost sections: time the steps without the profiler (no phases; bytes in total)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     result_options(ap)
     args = ap.parse_args(argv)
@@ -494,7 +589,7 @@ def main(argv=None):
 
     res = load_results(args.out, STEM)
     runner = {"frontier": run_frontier, "acceptance": run_acceptance}.get(args.section, run_cost)
-    res[args.section] = runner(args)
+    res[f"{args.section}_revs" if args.revs and runner is run_cost else args.section] = runner(args)
     write_results(args.out, STEM, res, render)
     print(render(res))
 

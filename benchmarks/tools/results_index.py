@@ -32,6 +32,7 @@ CURVES = re.compile(r"(vae|ncsn)_mnist_curves")
 # :data:`CURVES`: ``benchmarks.tools.training_curves <grid> --render --name <stem>``)
 REBUILT_BY = {
     "solvers_vs_torchdeq": "benchmarks.studies.solvers_vs_torchdeq --render",
+    "ncsn_sampling_cost": "benchmarks.studies.ncsn_sampling_cost --render",
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_table3": "benchmarks.tools.run_grid dkef --render --name dkef_table3",
     "dkef_paper_protocol": "benchmarks.tools.dkef_paper_protocol --render",
@@ -82,6 +83,11 @@ RETIRED = {
 
 # what each result shows, one line (the paper's table or the question it answers)
 SHOWS = {
+    "solvers_vs_torchdeq": "Forward solvers beside TorchDEQ 0.1.0 (its Anderson at several m and λ) on the trained maps "
+                           "of record (ncsn_mnist at step 150 of 500, ncsn_mnist_long at step 200 of a 300-step run, the "
+                           "DKEF main job's three blocks): time to a per-sample relative 1e-4 and at equal work.",
+    "ncsn_sampling_cost": "Annealed Langevin sampling seconds per image of trained DEQ-NCSN checkpoints against TwoRes "
+                          "at the same settings (issue 60's bound: 1.15x).",
     "dkef_block_cost": "DKEF's DEQ blocks (the record, its implicit backward, the paper's) against the 3-layer net, "
                        "bytes saved and step time interleaved, on the main job and RedWine, before and after the "
                        "implicit jet route's own products (issue 60's bounds: 1.1x bytes, 1.2x time).",
@@ -92,8 +98,9 @@ SHOWS = {
                       "penalty) at experiment=ncsn_mnist_long: seconds and saved bytes per step, each beside a "
                       "TwoRes run, and their solvers' convergence over 20 steps.",
     "ncsn_deq_cost": "The NCSN DEQ's step by implicit-backward level (time, bytes saved) at ncsn_mnist and at the "
-                     "authors' CIFAR-10 settings, the 40-step acceptance runs beside TwoRes, and the cheaper routes "
-                     "tried over 300 steps.",
+                     "authors' CIFAR-10 settings, every family's cost line (and before / after issue 60's changes, "
+                     "side by side), the 40-step acceptance runs beside TwoRes, and the cheaper routes tried over "
+                     "300 steps.",
     "ais_bias": "AIS log p(x) against the exact one (quadrature over a 2-d latent) on a Bernoulli decoder: the "
                 "error in nats and how often the estimate lies above the truth, per step-size rule and number of "
                 "steps T.",
