@@ -82,12 +82,14 @@ def point_at_step(run: dict, step: int = STEP) -> dict:
 def training_record(run_dir: Path) -> dict:
     """Solver counts over training (``metrics.json``'s profile) and the training loss (the CSV log)."""
     metrics = json.loads((run_dir / "metrics.json").read_text())
-    losses = []
+    losses, logged_caps = [], []
     for path in sorted(run_dir.glob("csv/version_*/metrics.csv")):
         with path.open() as fh:
             for row in csv.DictReader(fh):
                 if row.get("train/loss_step") not in (None, ""):
                     losses.append((int(row["step"]), float(row["train/loss_step"])))
+                if row.get("profile/deq_hit_cap") not in (None, ""):
+                    logged_caps.append(float(row["profile/deq_hit_cap"]) > 0)
     losses.sort()
     steps = int(metrics.get("profile/steps") or 0)
     return {
@@ -96,7 +98,8 @@ def training_record(run_dir: Path) -> dict:
         "saved_MB_training": (metrics.get("profile/saved_bytes_mean") or 0) / 1e6 or None,
         "iterations_mean": metrics.get("profile/deq_iterations_mean"),
         "iterations_max": metrics.get("profile/deq_iterations_max"),
-        "cap_hits": metrics.get("profile/deq_hit_cap_count"),
+        "cap_hits": metrics.get("profile/deq_hit_cap_count"),  # over `steps`: the steps since a resume, if any
+        "logged_steps_at_cap": sum(logged_caps), "logged_steps": len(logged_caps),  # every logged step of the run
         "adjoint_iterations_mean": metrics.get("profile/deq_adjoint_iterations_mean"),
         "loss_logged": len(losses),
         "loss_all_finite": all(math.isfinite(v) for _, v in losses),
@@ -273,7 +276,10 @@ def render(res: dict) -> str:
             f"{100 * r['share_all_levels']:.1f} % (thirds, high σ first: "
             + ", ".join(f"{100 * v:.1f}" for v in r["share_by_third"]) + ")" if r.get("share_all_levels") is not None else "not measured",
             f"{t['iterations_mean']:.1f} ({t['iterations_max']:.0f})" if t["iterations_mean"] is not None else "–",
-            f"{t['cap_hits']:.0f} / {t['steps']}" if t["cap_hits"] is not None else "–",
+            (f"{t['cap_hits']:.0f} / {t['steps']}" + (f" after its resume; {t['logged_steps_at_cap']} of all "
+                                                        f"{t['logged_steps']} logged steps"
+                                                        if t["steps"] < STEP else "")
+             if t["cap_hits"] is not None else "–"),
             f"{t['loss_last']:.0f}" if t["loss_last"] is not None else "–",
             f"{r['time_ratio']:.2f}×", f"{r['bytes_ratio']:.2f}×",
             f"{s['ratio']:.2f}× ({s['s_per_image']:.1f} s vs {s['twores_s_per_image']:.1f} s)" if s else "not measured",
