@@ -165,7 +165,11 @@ def collect(args) -> dict:
         for label in labels:
             shares[label.rsplit(" ", 1)[0]] = Path(path)
     old = load_existing(args.out)
-    rows = {}
+    # the designs already in the saved result stay (a run directory of an earlier session may be gone): a new part
+    # of the same design replaces its row
+    rows = {d: r for d, r in old.get("designs", {}).items() if d not in merged["runs"]}
+    curves_commands = {c.split("--variants ", 1)[1].split("'")[1]: c for c in merged["meta"].get("commands", [])
+                       if "--variants '" in c}
     for design, run in merged["runs"].items():
         fid, sd = fid_at(point_at_step(run))
         cost = costs[cost_arm(design)]
@@ -174,7 +178,8 @@ def collect(args) -> dict:
                "samples": run.get("samples"),
                "fid": fid, "fid_sd": sd, "train_time_s": point_at_step(run).get("train_time_s"),
                "time_ratio": cost["time_ratio"], "bytes_ratio": cost["bytes_ratio"], "saved_MB_20": cost["saved_MB"],
-               "cost_command": cost["study_command"], "training": training_record(run_dir)}
+               "cost_command": cost["study_command"], "training": training_record(run_dir),
+               "curves_command": curves_commands.get(design)}
         if design in shares:
             row.update(share_summary(shares[design], design))
         if design in old.get("sampling", {}):
@@ -199,7 +204,7 @@ def collect(args) -> dict:
                      "parts_meta": merged["meta"], "refinenet_cost": {k: refinenet[k] for k in ("time_ratio",
                                                                                                  "bytes_ratio")},
                      "plan": "benchmarks/results/notes/ncsn_deq_search_plan.md"},
-            "designs": rows, "references_1500": refs, "decision": decision, "sampling": old.get("sampling", {})},
+            "designs": dict(sorted(rows.items())), "references_1500": refs, "decision": decision, "sampling": old.get("sampling", {})},
         args.root)
 
 
@@ -303,7 +308,7 @@ def render(res: dict) -> str:
     if d["provisional"]:
         verdict = f"*Provisional* ({len(d['missing'])} design(s) of the plan not yet in: {', '.join(d['missing'])}). " + verdict
     lines += [verdict, "", "Each design trained and tested by:", "", "```bash",
-              *res["meta"]["parts_meta"].get("commands", []), "```", "",
+              *[r["curves_command"] for r in res["designs"].values() if r.get("curves_command")], "```", "",
               "Each design's training run (as `training_curves` ran it), its cost and its share:", ""]
     for design, r in res["designs"].items():
         lines += [f"- {design}: `{r['command']}`", f"  - cost: `{r['cost_command']}`"]
