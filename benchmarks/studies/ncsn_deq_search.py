@@ -322,12 +322,12 @@ def render(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", nargs="+", type=Path, default=[], help="training_curves JSON, one per design")
     ap.add_argument("--runs", type=Path, default=Path("outputs/ncsn_search/ncsn_search"), help="the designs' run dirs")
     ap.add_argument("--shares", nargs="*", type=Path, default=[], help="ncsn_share_by_level JSON per design")
-    ap.add_argument("--sample", default=None, metavar="DESIGN", help="measure DESIGN's sampling time beside TwoRes")
+    ap.add_argument("--sample", default=None, metavar="NAME", help="measure the design NAME's sampling time beside TwoRes")
     ap.add_argument("--ckpt", default=None, help="with --sample: the design's checkpoint")
     ap.add_argument("--twores-ckpt", default=None, help="with --sample: a TwoRes checkpoint of the same experiment")
     ap.add_argument("--n", type=int, default=64)
@@ -335,7 +335,7 @@ def main() -> None:
     ap.add_argument("--root", default=None, help="data.root")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--render", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.render:
         res = load_existing(args.out)
     elif args.sample:

@@ -33,6 +33,8 @@ CURVES = re.compile(r"(vae|ncsn)_mnist_curves")
 REBUILT_BY = {
     "solvers_vs_torchdeq": "benchmarks.studies.solvers_vs_torchdeq --render",
     "ncsn_sampling_cost": "benchmarks.studies.ncsn_sampling_cost --render",
+    "ncsn_deq_search": "benchmarks.studies.ncsn_deq_search --render",
+    "dkef_block_cost_redwine": "benchmarks.studies.dkef_block_cost --render --name dkef_block_cost_redwine",
     "dkef": "benchmarks.tools.run_grid dkef --render",
     "dkef_table3": "benchmarks.tools.run_grid dkef --render --name dkef_table3",
     "dkef_paper_protocol": "benchmarks.tools.dkef_paper_protocol --render",
@@ -83,6 +85,9 @@ RETIRED = {
 
 # what each result shows, one line (the paper's table or the question it answers)
 SHOWS = {
+    "ncsn_deq_search": "The pre-registered image-DEQ search (issue 59): each design's FID at 1500 steps, recurrence "
+                       "share over all noise levels, solver counts, cost and sampling time beside TwoRes, and the "
+                       "plan's rule applied (provisional until all six designs are in).",
     "solvers_vs_torchdeq": "Forward solvers beside TorchDEQ 0.1.0 (its Anderson at several m and λ) on the trained maps "
                            "of record (ncsn_mnist at step 150 of 500, ncsn_mnist_long at step 200 of a 300-step run, the "
                            "DKEF main job's three blocks): time to a per-sample relative 1e-4 and at equal work.",
