@@ -4,6 +4,8 @@ other maps in tests/test_deq_implicit.py), the one-pass control, and its place i
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -28,6 +30,18 @@ def make_block(**cfg) -> NormalizedResidualDEQBlock:
     return block
 
 
+@functools.lru_cache(maxsize=1)
+def unrolled_reference():
+    """The input, the head and the reference the phantom and implicit checks below compare with: score, Hessian trace
+    and the SM loss's parameter gradient through 80 unrolled iterations of :func:`make_block`'s map (the same weights
+    whatever its backward), computed once for the module — each test drew the same x and head after make_block."""
+    block = make_block()
+    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    head = [torch.randn(32, 3, dtype=torch.float64, requires_grad=True), torch.randn(3, dtype=torch.float64)]
+    params = [*block.parameters(), head[0]]
+    return x, head, sm_loss_and_grads(lambda u: block.unroll(u, 80), x, head, params)
+
+
 def test_instance_norm_matches_torch():
     torch.manual_seed(0)
     z, g, b = torch.randn(3, 4, 5, 5, dtype=torch.float64), torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64)
@@ -39,13 +53,11 @@ def test_phantom_with_many_steps_matches_the_unrolled_reference():
     """Alg. 1 with K = 60 phantom steps: error ~ ρ^60 at ρ < 0.5 — the reference (80 unrolled steps: ρ⁸⁰ < 1e-24)
     to 1e-8 in score, Hessian trace (second order in x) and the SM loss's parameter gradient (third order)."""
     block = make_block(backward="phantom", phantom_steps=60)
-    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
+    x, head, (s_r, tr_r, g_r) = unrolled_reference()
     stats = recurrence_share(block, x)
     assert stats["contraction_rate"] < 0.5 and stats["share_mean"] > 0.01
-    head = [torch.randn(32, 3, dtype=torch.float64, requires_grad=True), torch.randn(3, dtype=torch.float64)]
     params = [*block.parameters(), head[0]]
     s_p, tr_p, g_p = sm_loss_and_grads(block, x, head, params)
-    s_r, tr_r, g_r = sm_loss_and_grads(lambda u: block.unroll(u, 80), x, head, params)
     assert block.last_stats["converged"]
     assert rel(s_p, s_r) < 1e-8 and rel(tr_p, tr_r) < 1e-8 and rel(g_p, g_r) < 1e-8
 
@@ -55,11 +67,9 @@ def test_implicit_backward_matches_the_unrolled_reference_to_third_order():
     products (:meth:`NormalizedResidualMap.linearize`): score, Hessian trace and the SM loss's parameter gradient
     (adjoint levels 1-3) against autograd through 80 unrolled iterations, float64."""
     block = make_block(backward="implicit")
-    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
-    head = [torch.randn(32, 3, dtype=torch.float64, requires_grad=True), torch.randn(3, dtype=torch.float64)]
+    x, head, (s_r, tr_r, g_r) = unrolled_reference()
     params = [*block.parameters(), head[0]]
     s_i, tr_i, g_i = sm_loss_and_grads(block, x, head, params)
-    s_r, tr_r, g_r = sm_loss_and_grads(lambda u: block.unroll(u, 80), x, head, params)
     assert rel(s_i, s_r) < 1e-8 and rel(tr_i, tr_r) < 1e-8 and rel(g_i, g_r) < 1e-8
 
 
@@ -111,11 +121,9 @@ def test_linearize_gives_autograds_jacobian_products(recompute):
 def test_phantom_with_two_steps_is_truncated():
     """The comparison above can fail: K = 2 misses the Neumann tail (ρ² ≫ 1e-8)."""
     block = make_block(backward="phantom", phantom_steps=2)
-    x = torch.randn(3, 2, 4, 4, dtype=torch.float64)
-    head = [torch.randn(32, 3, dtype=torch.float64, requires_grad=True), torch.randn(3, dtype=torch.float64)]
+    x, head, (_, _, g_r) = unrolled_reference()
     params = [*block.parameters(), head[0]]
     _, _, g_p = sm_loss_and_grads(block, x, head, params)
-    _, _, g_r = sm_loss_and_grads(lambda u: block.unroll(u, 80), x, head, params)
     assert rel(g_p, g_r) > 1e-4
 
 
