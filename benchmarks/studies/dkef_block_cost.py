@@ -140,6 +140,11 @@ def _summary(parts: list[dict]) -> dict:
     return out
 
 
+def _ratios(ratios: list[float]) -> str:
+    """A table cell: the median of the workers' ratios, then each worker's."""
+    return f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
+
+
 def render(res: dict) -> str:
     meta = res["meta"]
     lines = ["# DKEF's DEQ block against the 3-layer net: bytes saved and step time", "",
@@ -157,11 +162,8 @@ def render(res: dict) -> str:
                   "(per worker) | median ms | × 3-layer: of the median ratio (per worker) |"), "|---|---|---:|---:|---:|---|---:|---|"]
         for rev, entry in by_rev.items():
             for arm, v in entry["arms"].items():
-                per = ", ".join(f"{x:.2f}" for x in v["time_ratios"])
-                per_med = ", ".join(f"{x:.2f}" for x in v["median_ratios"])
                 lines.append(f"| {rev} | {arm} | {v['saved_mb']:.3f} | {v['bytes_ratio']:.3f} | {v['min_ms']:.1f} | "
-                             f"{statistics.median(v['time_ratios']):.2f} ({per}) | {v['median_ms']:.1f} | "
-                             f"{statistics.median(v['median_ratios']):.2f} ({per_med}) |")
+                             f"{_ratios(v['time_ratios'])} | {v['median_ms']:.1f} | {_ratios(v['median_ratios'])} |")
         lines.append("")
         if all("cpu_min_ms" in v for entry in by_rev.values() for v in entry["arms"].values()):
             lines += ["CPU time of the step (`time.thread_time`, its one thread's; the same pairing):", "",
@@ -169,11 +171,8 @@ def render(res: dict) -> str:
                        "| median CPU ms | × 3-layer: of the median ratio (per worker) |"), "|---|---|---:|---|---:|---|"]
             for rev, entry in by_rev.items():
                 for arm, v in entry["arms"].items():
-                    per = ", ".join(f"{x:.2f}" for x in v["cpu_ratios"])
-                    per_med = ", ".join(f"{x:.2f}" for x in v["cpu_median_ratios"])
-                    lines.append(f"| {rev} | {arm} | {v['cpu_min_ms']:.1f} | {statistics.median(v['cpu_ratios']):.2f} "
-                                 f"({per}) | {v['cpu_median_ms']:.1f} | "
-                                 f"{statistics.median(v['cpu_median_ratios']):.2f} ({per_med}) |")
+                    lines.append(f"| {rev} | {arm} | {v['cpu_min_ms']:.1f} | {_ratios(v['cpu_ratios'])} | "
+                                 f"{v['cpu_median_ms']:.1f} | {_ratios(v['cpu_median_ratios'])} |")
             lines.append("")
     if meta.get("note"):
         lines += [meta["note"].rstrip(), ""]
