@@ -44,8 +44,7 @@ from pathlib import Path
 
 from benchmarks.lib.generative_grids import GRIDS
 from benchmarks.lib.results import RESULTS, machine_facts, script_command, write_results
-from benchmarks.lib.runs import merge_curves
-from benchmarks.lib.runs import run_dir_name as curves_run_dir
+from benchmarks.lib.runs import merge_curves, run_dir_name
 from src.reports.tables import markdown_table
 
 NAME = "ncsn_deq_search"
@@ -173,7 +172,7 @@ def collect(args) -> dict:
     for design, run in merged["runs"].items():
         fid, sd = fid_at(point_at_step(run))
         cost = costs[cost_arm(design)]
-        run_dir = Path(args.runs) / run_dir_name(design)
+        run_dir = Path(args.runs) / run_dir_name(design, 0)  # training_curves' run dir at seed 0
         row = {"overrides": GRIDS["ncsn_search"]["variants"][design], "command": run["command"],
                "samples": run.get("samples"),
                "fid": fid, "fid_sd": sd, "train_time_s": point_at_step(run).get("train_time_s"),
@@ -219,11 +218,6 @@ def sanitized(value, root: str | None):
     if isinstance(value, list):
         return [sanitized(v, root) for v in value]
     return value
-
-
-def run_dir_name(design: str) -> str:
-    """The run directory ``training_curves`` gives a variant at seed 0."""
-    return curves_run_dir(design, 0)
 
 
 def load_existing(out: Path) -> dict:
