@@ -21,6 +21,7 @@ Arms (spectral λ = 2 unless named; Picard, relative 1e-4, as ``conf/shared/deq_
 - ``3-layer``: ``deq=false depth=3``.
 
     python -m benchmarks.studies.dkef_block_cost --revs 67b52d7,HEAD
+    python -m benchmarks.studies.dkef_block_cost --revs HEAD --settings main --ks 4,3 --name dkef_block_cost_k
     python -m benchmarks.studies.dkef_block_cost --render
 """
 
@@ -56,6 +57,8 @@ OPTIMIZER = {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 1e-3, "wei
 
 
 def _deq(arm: str, k: int) -> dict | None:
+    if arm.startswith("record K="):  # --ks: the record with another number of phantom steps
+        return {"enabled": True, **SOLVER, "phantom_steps": int(arm.split("=")[1])}
     return {"record": {"enabled": True, **SOLVER, "phantom_steps": k},
             "implicit": {"enabled": True, **SOLVER, "phantom_steps": k, "backward": "implicit"},
             "paper": {"enabled": True, **SOLVER, "norm": "frobenius", "phantom_steps": 2},
@@ -76,7 +79,7 @@ def _data(setting: str, data_root: str | None):
     return rows, source
 
 
-def worker(setting: str, rounds: int, warmup: int, data_root: str | None) -> dict:
+def worker(setting: str, rounds: int, warmup: int, data_root: str | None, ks: tuple[int, ...] = ()) -> dict:
     """One process: every arm built, warmed up, its saved bytes metered, then ``rounds`` rounds of one step each."""
     import torch
 
@@ -90,7 +93,7 @@ def worker(setting: str, rounds: int, warmup: int, data_root: str | None) -> dic
     rows, source = _data(setting, data_root)
     batches = [rows[s["batch"] * k: s["batch"] * (k + 1)] for k in range(8)]
     arms = {}
-    for arm in ARMS:
+    for arm in (*ARMS, *(f"record K={k}" for k in ks)):
         torch.manual_seed(0)
         deq = _deq(arm, s["record_k"])
         module = DKEFLitModule(s["dim"], loss={"name": "sm"}, deq=deq or {"enabled": False},
@@ -188,11 +191,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--root", default=str(ROOT / "data"), help="data root (RedWine for the uci setting)")
     ap.add_argument("--note", default=None, help="a markdown file printed below the tables")
+    ap.add_argument("--ks", default="", help="comma-separated K: also the record with K phantom steps (arm 'record "
+                                             "K=<k>'; revisions whose study has this option)")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # "<setting>": run one worker, print JSON
     result_options(ap, "dkef_block_cost")
     args = ap.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.worker, args.rounds, args.warmup, args.root)))
+        ks = tuple(int(k) for k in args.ks.split(",") if k.strip())
+        print(json.dumps(worker(args.worker, args.rounds, args.warmup, args.root, ks)))
         return {}
     if rendered(args, args.name, render):
         return {}
@@ -208,7 +214,8 @@ def main(argv=None) -> dict:
                 for rev in revs:
                     env = rev_env(trees[rev], dict(os.environ, OMP_NUM_THREADS="1"))
                     out = subprocess.run([sys.executable, "-m", MODULE, "--worker", s, "--rounds", str(args.rounds),
-                                          "--warmup", str(args.warmup), "--root", data_root],
+                                          "--warmup", str(args.warmup), "--root", data_root,
+                                          *(["--ks", args.ks] if args.ks else [])],
                                          env=env, check=True, capture_output=True, text=True, cwd=trees[rev])
                     parts[(s, rev)].append(json.loads(out.stdout.strip().splitlines()[-1]))
                     print(s, rev, "done", flush=True)
