@@ -1,12 +1,21 @@
-"""``callbacks=early_stopping``: the default callbacks plus Lightning's EarlyStopping on the metric the best
-checkpoint is chosen by (Table 3's runs)."""
+"""``callbacks=early_stopping``: the default callbacks plus Lightning's EarlyStopping (resumed exactly:
+src/callbacks/early_stopping.py) on the metric the best checkpoint is chosen by (Table 3's runs)."""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+from pathlib import Path
+
+import lightning.pytorch as L
+import pytest
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 from src.runs.training import _instantiate_group
-from tests.conftest import compose_train
+from src.runtime.checkpoints import load_checked
+from tests.conftest import FAST, compose_train
+from tests.test_resume_kill import assert_equal_tree, finish, start
 
 
 def test_early_stopping_watches_the_checkpoint_metric_with_patience_20(tmp_path):
@@ -31,3 +40,88 @@ def test_early_stopping_follows_a_family_monitor_and_a_new_patience(tmp_path):
 def test_default_callbacks_do_not_stop_early(tmp_path):
     cfg = compose_train(["logger=none"], tmp_path)
     assert not any(isinstance(cb, EarlyStopping) for cb in _instantiate_group(cfg.callbacks))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exact resume (src/callbacks/early_stopping.py): runs killed (SIGKILL from inside, tests/test_resume_kill.py) where
+# Lightning's EarlyStopping loses its state, resumed from last.ckpt, against an uninterrupted run. With min_delta
+# 1e9 no validation after the first improves and patience 1 stops the run at its second check.
+
+STOP = [*FAST, "data.n_train=64", "trainer.max_epochs=4", "deq=true", "loss=ssm_vr", "logger=none",
+        "callbacks=early_stopping", "callbacks.early_stopping.patience=1", "callbacks.early_stopping.min_delta=1e9",
+        "callbacks.progress_bar=null", "callbacks.profiling.saved_tensors=false", "trainer.enable_progress_bar=false",
+        "trainer.precision=64-true"]
+MID_EPOCH_CHECKS = ["trainer.val_check_interval=2"]  # validation every 2 of an epoch's 4 steps: checked at its end
+
+
+class KillAtTest(L.Callback):
+    """SIGKILL this process as its test phase starts (training is over, last.ckpt written)."""
+
+    def on_test_start(self, trainer, pl_module):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+KILL_AT_TEST = [f"+callbacks.kill._target_={__name__}.KillAtTest"]
+
+
+def kill_after_step(step: int) -> list[str]:
+    return ["+callbacks.kill._target_=tests.test_resume_kill.KillAfterStep", f"+callbacks.kill.step={step}"]
+
+
+def _killed_then_resumed(overrides: list[str], kill: list[str], run_dir: Path) -> tuple[dict, dict, str]:
+    rc, err = finish(start([*overrides, *kill], run_dir))
+    assert rc == -signal.SIGKILL, f"not killed (rc {rc}): {err[-3000:]}"
+    rc, err = finish(start([*overrides, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"], run_dir))
+    assert rc == 0, err[-3000:]
+    return (load_checked(run_dir / "checkpoints" / "last.ckpt"),
+            json.loads((run_dir / "metrics.json").read_text()), err)
+
+
+def _uninterrupted(overrides: list[str], run_dir: Path) -> tuple[dict, dict]:
+    rc, err = finish(start(overrides, run_dir))
+    assert rc == 0, err[-3000:]
+    return load_checked(run_dir / "checkpoints" / "last.ckpt"), json.loads((run_dir / "metrics.json").read_text())
+
+
+def _assert_same_run(ref: tuple[dict, dict], resumed: tuple[dict, dict]) -> None:
+    (a, ma), (b, mb) = ref, resumed
+    assert a["global_step"] == b["global_step"]
+    for key in ["state_dict", "optimizer_states", "deqsm_rng_states"]:
+        assert_equal_tree(a[key], b[key], key)
+    assert ma["tested_checkpoint"].rsplit("/", 1)[-1] == mb["tested_checkpoint"].rsplit("/", 1)[-1]
+    tests = {k: v for k, v in ma.items() if k.startswith("test/")}
+    assert tests and tests == {k: v for k, v in mb.items() if k.startswith("test/")}
+
+
+@pytest.fixture(scope="module")
+def stopped_run(tmp_path_factory):
+    """The uninterrupted run: 4 steps an epoch, checks at epoch ends, stopped after epoch 2 (step 8 of 16)."""
+    ckpt, metrics = _uninterrupted(STOP, tmp_path_factory.mktemp("early_stopping_ref"))
+    assert ckpt["global_step"] == 8, ckpt["global_step"]
+    return ckpt, metrics
+
+
+def test_a_run_killed_in_its_test_after_stopping_early_resumes_to_the_same_test(stopped_run, tmp_path):
+    """Killed after the stop (last.ckpt: after epoch 2's validation, before its check): the resumed check reads
+    the kept value, stops at once and tests the same checkpoint (Lightning's raised: the metric was gone)."""
+    ckpt, metrics, _ = _killed_then_resumed(STOP, KILL_AT_TEST, tmp_path)
+    _assert_same_run(stopped_run, (ckpt, metrics))
+
+
+@pytest.mark.slow
+def test_a_run_killed_between_a_validation_and_its_check_trains_on_as_uninterrupted(stopped_run, tmp_path):
+    """Killed at the first step of epoch 2 (last.ckpt: after epoch 1's validation, before its check): the resumed
+    run checks epoch 1 with the kept value, trains epoch 2 and stops there."""
+    ckpt, metrics, _ = _killed_then_resumed(STOP, kill_after_step(4), tmp_path)
+    _assert_same_run(stopped_run, (ckpt, metrics))
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_a_check_inside_an_epoch_stays_stopped_when_resumed(tmp_path):
+    """Checks after each validation (inside epochs): last.ckpt holds the stop; the resumed run does not train on
+    (Lightning's would: ``trainer.should_stop`` is not in its checkpoint)."""
+    ref = _uninterrupted([*STOP, *MID_EPOCH_CHECKS], tmp_path / "ref")
+    assert ref[0]["global_step"] == 4
+    ckpt, metrics, _ = _killed_then_resumed([*STOP, *MID_EPOCH_CHECKS], KILL_AT_TEST, tmp_path / "killed")
+    assert "the resumed run trains no further" in (tmp_path / "killed" / "train.log").read_text()
+    _assert_same_run(ref, (ckpt, metrics))

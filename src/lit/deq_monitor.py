@@ -59,7 +59,12 @@ class DEQMonitorMixin:
         return loss + penalty
 
     def on_fit_start(self) -> None:
-        self._deq_inputs = {}
+        # a resumed run starts from the inputs its checkpoint kept (deq_monitor_state): a run resumed after its
+        # last training step (killed in its test) measures its test diagnostics at the same rows as the
+        # uninterrupted run
+        restored = self.__dict__.pop("_restored_deq_inputs", {})
+        self._deq_inputs = {name: tuple(a.to(self.device) if torch.is_tensor(a) else a for a in args)
+                            for name, args in restored.items()}
         if not self.deq_input_rows:  # the family measures its rate on other inputs (NCSN: validation images)
             return
         for name, block in blocks_of(self):
@@ -78,6 +83,15 @@ class DEQMonitorMixin:
                 self._deq_inputs[name] = tuple(a.detach()[:rows].clone() if torch.is_tensor(a) and a.dim() else a
                                                for a in args)
         return keep
+
+    def deq_monitor_state(self) -> dict[str, tuple]:
+        """The kept training inputs, as CPU copies, for a checkpoint (src/lit/resume.py)."""
+        return {name: tuple(a.detach().cpu() if torch.is_tensor(a) else a for a in args)
+                for name, args in getattr(self, "_deq_inputs", {}).items()}
+
+    def load_deq_monitor_state(self, state: dict[str, tuple]) -> None:
+        """Keep a checkpoint's :meth:`deq_monitor_state` for the fit that resumes from it (:meth:`on_fit_start`)."""
+        self._restored_deq_inputs = {name: tuple(args) for name, args in state.items()}
 
     def deq_contraction_rates(self) -> dict[str, float]:
         """{block name: ‖∂f/∂z‖₂ at the fixed point} of each DEQ block, at the last training input it saw

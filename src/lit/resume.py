@@ -1,7 +1,8 @@
 """Exact resume of every LightningModule: what a checkpoint holds beyond the weights, and putting it back.
 
-A checkpoint also holds the family's name, the RNG states (:mod:`src.runtime.rng`) and each DEQ block's
-warm-start fixed points, so a resumed run continues exactly; under DDP every rank's RNG streams, training-loader
+A checkpoint also holds the family's name, the RNG states (:mod:`src.runtime.rng`), each DEQ block's
+warm-start fixed points and the training rows the DEQ diagnostics are measured at (src/lit/deq_monitor.py), so a
+resumed run continues exactly; under DDP every rank's RNG streams, training-loader
 position and warm starts (:func:`gather_rank_states`), each given back to its own rank on resume
 (:func:`restore_rank_state`); non-finite states are refused at save time with
 the newest finite checkpoint named. Validation leaves the training RNG where it found it
@@ -90,6 +91,7 @@ class ResumeHooksMixin:
         checkpoint["deqsm_family"] = type(self).__name__  # named when a checkpoint is given to another family
         checkpoint["deqsm_rng_states"] = capture_rng_states()
         checkpoint["deqsm_warm_start"] = {name: m.warm_start_state() for name, m in blocks_of(self)}
+        checkpoint["deqsm_deq_inputs"] = self.deq_monitor_state()  # the DEQ diagnostics' inputs (rank 0's)
         trainer = getattr(self, "_trainer", None)
         ranks = gather_rank_states(trainer, checkpoint["deqsm_warm_start"]) if trainer is not None else None
         if ranks is not None:  # DDP: every rank's RNG streams, loader positions, warm starts (rank 0's above)
@@ -129,3 +131,5 @@ class ResumeHooksMixin:
         for name, m in blocks_of(self):
             if name in states:
                 m.load_warm_start_state(states[name])
+        if trainer is not None and trainer.state.fn == "fit":
+            self.load_deq_monitor_state(checkpoint.get("deqsm_deq_inputs", {}))
