@@ -48,6 +48,7 @@ REBUILT_BY = {
     "ncsn_mdeq_cost": "benchmarks.studies.ncsn_mdeq_cost --render",
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
     "dkef_block_cost": "benchmarks.studies.dkef_block_cost --render",
+    "dkef_block_cost_k": "benchmarks.studies.dkef_block_cost --render --name dkef_block_cost_k",
     "faults": "benchmarks.tools.fault_table --render",
     "gpu_suite": "benchmarks.tools.gpu_suite --render",
     "ncsn_langevin_step": "benchmarks.studies.ncsn_langevin_step --render",
@@ -93,6 +94,9 @@ SHOWS = {
                            "DKEF main job's three blocks): time to a per-sample relative 1e-4 and at equal work.",
     "ncsn_sampling_cost": "Annealed Langevin sampling seconds per image of trained DEQ-NCSN checkpoints against TwoRes "
                           "at the same settings (issue 60's bound: 1.15x).",
+    "dkef_block_cost_k": "DKEF's block of record with K = 5, 4 and 3 phantom steps (and the implicit and paper's "
+                         "blocks) against the 3-layer net on the main job: bytes and step time per K (issue 60, "
+                         "item 5: no K >= 3 meets the 1.2x time bound).",
     "dkef_block_cost": "DKEF's DEQ blocks (the record, its implicit backward, the paper's) against the 3-layer net, "
                        "bytes saved and step time interleaved, on the main job and RedWine, before and after the "
                        "implicit jet route's own products (issue 60's bounds: 1.1x bytes, 1.2x time).",
@@ -216,6 +220,8 @@ SHOWS = {
                                  "and the controlled runs that isolate the gap to the paper's DEQ-SM row (the "
                                  "α/λ refit, early stopping, the per-point tail, the optimiser, the split and the "
                                  "whitening, the LL estimator).",
+    "notes/dkef_block_cost_k": "The note printed under `dkef_block_cost_k.md` (`--note`): how the record's step "
+                               "time scales with K.",
     "notes/dkef_table3": "The note printed above `dkef_table3.md` (`--note`): the protocol, and why early stopping "
                          "with patience 20 selects the full-length runs' checkpoints (checked on seed 0 of both "
                          "100-d methods against two full-length runs that are not committed).",
