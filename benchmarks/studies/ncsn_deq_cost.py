@@ -21,12 +21,14 @@ training loss curve (a route that diverges shows it there).
 
 **Acceptance** (``acceptance``): 40-step ``experiment=ncsn_mnist`` runs of the DEQ arms and TwoRes, run alternately
 by the user's own command (``python -m src.train``), read from their run directories: the profiling callback's
-seconds and saved bytes per step, each arm against the TwoRes run of its round.
+seconds and saved bytes per step, each arm against the TwoRes run of its round. ``acceptance_after``: the same
+for runs of a later tree (the DEQ core's rewrite, issue 60), kept beside the first.
 
     python -m benchmarks.studies.ncsn_deq_cost cost --root <data dir> [--arms record,twores] [--rounds 2]
     python -m benchmarks.studies.ncsn_deq_cost families --root <data dir> --revs <before>,HEAD --clock cpu --untraced
     python -m benchmarks.studies.ncsn_deq_cost frontier --runs <dir with one run dir per arm>
     python -m benchmarks.studies.ncsn_deq_cost acceptance --runs <dir of 40-step runs named <tag>_r<round>_<arm>>
+    python -m benchmarks.studies.ncsn_deq_cost acceptance_after --runs <dir> --note <markdown file>
     python -m benchmarks.studies.ncsn_deq_cost --render
 
 **Before and after** (``--revs A,B`` with a cost section): every arm at each revision as committed (its ``src`` and
@@ -494,12 +496,19 @@ def _revs_lines(section: dict, title: str) -> list[str]:
     return lines
 
 
-def _acceptance_lines(accept: dict) -> list[str]:
+ACCEPTANCE_TITLES = {
+    "acceptance": "## The acceptance: 40-step `experiment=ncsn_mnist` runs side by side (batch 64, SSM-VR)",
+    "acceptance_after": ("## The acceptance after the DEQ core's rewrite (issue 60): 40-step `experiment=ncsn_mnist` "
+                         "runs side by side (batch 64, SSM-VR)"),
+}
+
+
+def _acceptance_lines(accept: dict, title: str = ACCEPTANCE_TITLES["acceptance"]) -> list[str]:
     """The issue's acceptance measurement: 40-step runs, each arm against the TwoRes run of its round."""
     from src.reports.tables import markdown_table
 
     meta, runs = accept["meta"], accept["runs"]
-    lines = ["## The acceptance: 40-step `experiment=ncsn_mnist` runs side by side (batch 64, SSM-VR)", "",
+    lines = [title, "",
              (f"`{meta['command']}` reads the runs below — {meta['machine']}. s/step and saved MB are the profiling "
               "callback's (`profile/time_per_step_s`, `profile/saved_bytes_mean` in each run's metrics.json: wall "
               "time per step after the first); each arm is compared with the TwoRes run (`deq=false depth=1`) of its "
@@ -530,9 +539,9 @@ def render(res: dict) -> str:
             lines += _cost_lines(res[section], title)
         if f"{section}_revs" in res:
             lines += _revs_lines(res[f"{section}_revs"], title)
-    accept = res.get("acceptance")
-    if accept:
-        lines += _acceptance_lines(accept)
+    for section, title in ACCEPTANCE_TITLES.items():
+        if res.get(section):
+            lines += _acceptance_lines(res[section], title)
     frontier = res.get("frontier")
     if frontier:
         meta = frontier["meta"]
@@ -556,7 +565,8 @@ def render(res: dict) -> str:
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("section", nargs="?", choices=("cost", "authors", "families", "frontier", "acceptance"))
+    ap.add_argument("section", nargs="?",
+                    choices=("cost", "authors", "families", "frontier", "acceptance", "acceptance_after"))
     ap.add_argument("--root", default=str(DATA_ROOT), help="data.root (MNIST)")
     ap.add_argument("--arms", default="", help=f"cost: comma-separated arms (default all: {', '.join(ARMS)})")
     ap.add_argument("--rounds", type=int, default=2)
@@ -582,13 +592,14 @@ def main(argv=None):
     if rendered(args, STEM, render):
         return
     if args.section is None:
-        ap.error("give a section (cost | authors | families | frontier | acceptance) or --render")
+        ap.error("give a section (cost | authors | families | frontier | acceptance | acceptance_after) or --render")
     placeholders = {str(args.runs): "<runs dir>"} if args.runs else None
     args.command = script_command(MODULE, argv, data_root=args.root, placeholders=placeholders)
     from benchmarks.lib.results import load_results, write_results
 
     res = load_results(args.out, STEM)
-    runner = {"frontier": run_frontier, "acceptance": run_acceptance}.get(args.section, run_cost)
+    runner = {"frontier": run_frontier, "acceptance": run_acceptance,
+              "acceptance_after": run_acceptance}.get(args.section, run_cost)
     res[f"{args.section}_revs" if args.revs and runner is run_cost else args.section] = runner(args)
     write_results(args.out, STEM, res, render)
     print(render(res))

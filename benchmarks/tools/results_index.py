@@ -108,7 +108,8 @@ SHOWS = {
                       "TwoRes run, and their solvers' convergence over 20 steps.",
     "ncsn_deq_cost": "The NCSN DEQ's step by implicit-backward level (time, bytes saved) at ncsn_mnist and at the "
                      "authors' CIFAR-10 settings, every family's cost line (and before / after issue 60's changes, "
-                     "side by side), the 40-step acceptance runs beside TwoRes, and the cheaper routes tried over "
+                     "side by side), the 40-step acceptance runs beside TwoRes (before and after issue 60's "
+                     "rewrite), and the cheaper routes tried over "
                      "300 steps.",
     "ais_bias": "AIS log p(x) against the exact one (quadrature over a 2-d latent) on a Bernoulli decoder: the "
                 "error in nats and how often the estimate lies above the truth, per step-size rule and number of "
@@ -241,6 +242,9 @@ SHOWS = {
                                       "question, the commands, the answer.",
     "notes/ncsn_share_by_level": "The note printed under `ncsn_share_by_level.md` (`--note`): the checkpoints "
                                  "measured and the finding.",
+    "notes/ncsn_deq_cost_acceptance_after": "The note printed under `ncsn_deq_cost.md`'s second acceptance table "
+                                            "(`--note`): the 40-step runs after issue 60's rewrite, four rounds on a "
+                                            "quiet machine, and how to read them against the first.",
     "notes/ncsn_deq_cost_acceptance": "The note printed under `ncsn_deq_cost.md`'s acceptance table (`--note`): "
                                       "how the 40-step runs were run, and the ratios over rounds.",
     "notes/dkef_issue14": "The note printed above `dkef.md`'s tables (`--note`): the DEQ rows re-measured with "
