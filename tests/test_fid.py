@@ -397,3 +397,29 @@ def test_fid_metric_reports_the_white_out_of_generated_and_real_images(one_threa
         out = metric.compute(module, "test")
         assert out["test/white_fraction"] == pytest.approx(0.5, abs=1e-12)
         assert out["test/white_fraction_real"] == pytest.approx(1 / 16, abs=1e-12)
+
+
+def test_fid_metric_saves_the_generated_images_it_scored_as_uint8(one_thread, tmp_path):
+    """model.metrics.fid.samples_file: the generated images behind test/fid, as one uint8 tensor that a weights-only
+    load reads; the FID of those (quantised) images is the reported one to within the quantisation."""
+    from src.metrics.fid import FID, fid_between, images_to_uint8
+
+    gen = torch.Generator().manual_seed(0)
+    data = ImageData(torch.rand(60, 1, 28, 28, generator=gen))
+
+    def sample(k, seed):
+        return torch.rand(k, 1, 28, 28, generator=torch.Generator().manual_seed(seed)) ** 2
+
+    module = OneProcessSampler(sample)
+    path = tmp_path / "run" / "fid_samples.pt"
+    metric = FID(n_samples=50, batch_size=16, bootstrap=0, samples_file=str(path))
+    object.__setattr__(metric, "_fid", build_fid("mnist", feature=MeanPool()))
+    metric.setup(module, data)
+    out = metric.compute(module, "test")
+    saved = torch.load(path, weights_only=True)
+    assert saved.dtype == torch.uint8 and saved.shape == (50, 1, 28, 28)
+    expected = torch.cat([sample(min(16, 50 - s), seed=s) for s in range(0, 50, 16)])  # the metric's seeds
+    assert torch.equal(saved, images_to_uint8(expected))
+    assert not list(path.parent.glob(".*.tmp"))
+    again = fid_between(data.split_tensor("test", 50), saved.float() / 255, MeanPool())
+    assert again == pytest.approx(out["test/fid"], rel=1e-3)

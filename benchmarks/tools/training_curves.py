@@ -280,6 +280,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="how many such processes share the machine (recorded: wall times include their load)")
     ap.add_argument("--extra", default="", help="extra overrides for every training job, space separated")
     ap.add_argument("--eval-extra", default="", help="extra overrides for every checkpoint's test, space separated")
+    ap.add_argument("--keep-fid-samples", type=Path, default=None, metavar="DIR",
+                    help="save each test's generated images behind its FID in the run directory "
+                         "(fid_samples/<checkpoint>.pt, uint8: model.metrics.fid.samples_file) and copy the last "
+                         "checkpoint's to DIR as <name>_<variant>_seed<seed>_<checkpoint>.pt")
     ap.add_argument("--runs", default="outputs/benchmarks/curves")
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--name", default=None, help="result file stem (default: <grid>_mnist_curves)")
@@ -341,7 +345,9 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             facts = checkpoint_facts(ckpt)
             t0 = time.time()
-            metrics = evaluate(ckpt, eval_overrides(args.grid, args))
+            keep = [f"model.metrics.fid.samples_file={run_dir / 'fid_samples' / (ckpt.stem + '.pt')}"] \
+                if args.keep_fid_samples else []
+            metrics = evaluate(ckpt, eval_overrides(args.grid, args) + keep)
             run["points"][ckpt.name] = facts | {"eval_s": time.time() - t0, "metrics": {
                 k: v for k, v in metrics.items() if isinstance(v, (int, float))}}
             save(res, args)
@@ -349,6 +355,12 @@ def main(argv: list[str] | None = None) -> None:
         if args.final_ais_points and args.grid == "vae":
             evaluate_final(run, run_dir, args, evaluate)
             save(res, args)
+        kept = sorted((run_dir / "fid_samples").glob("step_*.pt")) if args.keep_fid_samples else []
+        if kept:  # the last checkpoint's FID samples, committed beside the result (uint8, ~0.8 MB a 1000)
+            target = f"{args.name}_{slug(name)}_seed{args.seed}_{kept[-1].stem}.pt"
+            args.keep_fid_samples.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(kept[-1], args.keep_fid_samples / target)
+            run["fid_samples"] = str(Path(args.keep_fid_samples.name) / target)
         samples = run_dir / "samples.png"  # the test of the last checkpoint evaluated wrote it
         if samples.is_file():
             target = f"{args.name}_{slug(name)}_samples.png"
