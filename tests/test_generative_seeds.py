@@ -159,3 +159,37 @@ def test_vae_arms_are_compared_paired_by_image():
     res = {"runs": {rec: {"0": run([1.0, 3.0, 5.0])}, ssm: {"0": run([0.0, 0.0, 0.0])}}}
     (line,) = [x for x in gs.paired_lines(res) if x.startswith(f"- {rec} − {ssm}")]
     assert "+3.000 ± 1.155 nats over 3 (seed, image) pairs → agree at 2 s.e., undecided by the paired t-test" in line
+
+
+def test_the_decision_joins_committed_reference_seeds_of_the_same_protocol(tmp_path):
+    """The image-DEQ decision (``ncsn_search``): a design and its one-pass control trained now, TwoRes and RefineNet
+    joined from a committed result of another grid with the same experiment, evaluation and real-data FID; the
+    verdicts read the design against all three. A reference of another protocol, or a variant it lacks, is
+    refused."""
+    design, control = "S1 mdeq_res", "S1 mdeq_res (one-pass)"
+    parts = [_part(tmp_path, s, {design: _run(s, [300, 90 + s], [100, 200], 10.0, 3e8, 1.0),
+                                 control: _run(s, [300, 120 + s], [100, 200], 10.0, 2e8, 0.8)}, grid="ncsn_search")
+             for s in range(3)]
+    campaign = gs.collect([(p, json.loads(p.read_text())) for p in _three_seeds(tmp_path)])
+    campaign["meta"] |= {"command": "python -m benchmarks.tools.generative_seeds ncsn --part …", "name": "campaign"}
+    committed = tmp_path / "campaign.json"
+    committed.write_text(json.dumps(campaign))
+    out = tmp_path / "out"
+    gs.main(["ncsn_search", *(a for p in parts for a in ("--part", str(p))), "--out", str(out),
+             "--name", "decision", "--reference", f"{committed}:{TWORES},{REFINE}"])
+    res = json.loads((out / "decision.json").read_text())
+    assert sorted(res["runs"]) == sorted([design, control, TWORES, REFINE])
+    assert res["runs"][TWORES] == campaign["runs"][TWORES]
+    assert res["meta"]["references"][0]["variants"] == [TWORES, REFINE]
+    md = (out / "decision.md").read_text()
+    assert "Joined as committed from `campaign.json` (grid `ncsn`" in md
+    # design 91 ± 1 against TwoRes 101.33 ± 2.52, its control 121 ± 1 and RefineNet 150 ± 2: better than all three
+    for other in (TWORES, control, REFINE):
+        assert f'"{design} ≥ {other}", FID at equal steps: agree at 2 s.e.' in md
+    with pytest.raises(SystemExit, match="no variant 'TwoRes'"):
+        gs.main(["ncsn_search", "--part", str(parts[0]), "--out", str(out), "--reference", f"{committed}:TwoRes"])
+    other = json.loads(committed.read_text())
+    other["meta"]["real_fid_n"] = 500
+    committed.write_text(json.dumps(other))
+    with pytest.raises(SystemExit, match="real_fid_n"):
+        gs.main(["ncsn_search", "--part", str(parts[0]), "--out", str(out), "--reference", f"{committed}:{TWORES}"])

@@ -82,3 +82,8 @@ GRIDS["ncsn_search"] = {**GRIDS["ncsn_long"], "variants": {
     "C1 mdeq_res_fpc": [*_MDEQ, "deq.norm_lambda=1.5", *_FPC],
     "C2 mdeq_gn_fpc_jr": ["model.arch=mdeq", *_GN_K1_JR, *_FPC],
 }}
+# each design's own one-pass control (its overrides + deq.one_pass=true): the plan's rule 4 trains the winner's
+# beside it in the three-seed decision (benchmarks/results/ncsn_deq_decision.*)
+GRIDS["ncsn_search"]["variants"].update({f"{name} (one-pass)": [*overrides, "deq.one_pass=true"]
+                                         for name, overrides in list(GRIDS["ncsn_search"]["variants"].items())
+                                         if name.startswith("S")})

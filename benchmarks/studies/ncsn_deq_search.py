@@ -57,8 +57,9 @@ REFERENCE_ARMS = ("SSM-VR NCSN (RefineNet)", "TwoRes-SSM-VR NCSN", "DEQ-SSM-VR N
 
 
 def designs() -> list[str]:
-    """The plan's designs that train (the grid's S-designs; C1/C2 were dropped by the cost gate before training)."""
-    return [v for v in GRIDS["ncsn_search"]["variants"] if v.startswith("S")]
+    """The plan's designs that train (the grid's S-designs, not their one-pass controls, which only the decision
+    trains; C1/C2 were dropped by the cost gate before training)."""
+    return [v for v in GRIDS["ncsn_search"]["variants"] if v.startswith("S") and not v.endswith("(one-pass)")]
 
 
 def cost_arm(design: str) -> str:

@@ -71,6 +71,13 @@ CLAIMS = {
                         ("test/fid", "FID", True, "test/fid_bootstrap_sd")]},
 }
 CLAIMS["ncsn_long"] = CLAIMS["ncsn"]
+# the image-DEQ decision (issue 59): the search's winner against its own one-pass control, and against the committed
+# TwoRes and RefineNet seeds of the campaign (--reference)
+_SEARCH = [v for v in GRIDS["ncsn_search"]["variants"] if v.startswith("S") and not v.endswith("(one-pass)")]
+CLAIMS["ncsn_search"] = {**CLAIMS["ncsn"], "deq": _SEARCH,
+                         "explicit": ["SSM-VR NCSN (RefineNet)", "TwoRes-SSM-VR NCSN",
+                                      *(f"{v} (one-pass)" for v in _SEARCH)]}
+REFERENCE_PROTOCOL = ("experiment", "eval_overrides", "real_fid_n")  # a reference may come from another grid
 COSTS = [("profile/saved_bytes_mean", "saved MB / step", 1), ("profile/time_per_step_s", "s / step", 3)]
 
 
@@ -101,6 +108,32 @@ def collect(parts: list[tuple[Path, dict]]) -> dict:
                 raise SystemExit(f"{path}: {variant!r} seed {seed} is in more than one part")
             runs[variant][seed] = {k: run.get(k) for k in ("command", "train", "points", "final")}
     return {"meta": meta, "runs": runs}
+
+
+def add_references(res: dict, references: list[str]) -> None:
+    """``FILE:VARIANT,VARIANT…``: those variants' seeds from a committed result of this tool (e.g. the campaign's
+    TwoRes and RefineNet, ``benchmarks/results/ncsn_mnist_campaign.json``) joined to ``res`` as they are, when its
+    protocol (experiment, evaluation overrides, real-data FID sample size) is this one's; listed in
+    ``meta.references``."""
+    for ref in references:
+        path, _, names = ref.rpartition(":")
+        if not path:
+            raise SystemExit(f"--reference {ref!r}: give FILE:VARIANT[,VARIANT…]")
+        other = json.loads(Path(path).read_text())
+        for key in REFERENCE_PROTOCOL:
+            if other["meta"].get(key) != res["meta"].get(key):
+                raise SystemExit(f"--reference {path}: {key} {other['meta'].get(key)!r} differs from the parts' "
+                                 f"{res['meta'].get(key)!r}; a reference must share the protocol")
+        wanted = [n.strip() for n in names.split(",") if n.strip()]
+        for n in wanted:
+            if n not in other["runs"]:
+                raise SystemExit(f"--reference {path}: no variant {n!r}; it has {', '.join(other['runs'])}")
+            if n in res["runs"]:
+                raise SystemExit(f"--reference {path}: {n!r} is in the parts already")
+            res["runs"][n] = other["runs"][n]
+        res["meta"].setdefault("references", []).append(
+            {"file": Path(path).name, "grid": other["meta"].get("grid"), "variants": wanted,
+             "command": other["meta"].get("command")})
 
 
 def points(run: dict) -> list[dict]:
@@ -266,6 +299,9 @@ def render(res: dict) -> str:
              f"Command: `{meta['command']}`", "", "Per-seed training curves (each seed's commands):", ""]
     for part in meta["parts"]:
         lines += ["```bash", *part["commands"], "```", f"Machine: {part['machine']}", ""]
+    for ref in meta.get("references", []):
+        lines += [(f"Joined as committed from `{ref['file']}` (grid `{ref['grid']}`, the same experiment, evaluation and "
+                   f"real-data FID): {', '.join(ref['variants'])} — made by `{ref['command']}`."), ""]
     lines += [(f"Each checkpoint tested with `python -m src.evaluate ckpt_path=<checkpoint> "
                f"{' '.join(meta['eval_overrides'] or [])}`; wall time = summed training step time."), ""]
     if meta.get("real_fid") is not None:
@@ -338,6 +374,9 @@ def main(argv=None) -> None:
                     help="a training_curves.py result JSON of one seed (repeatable)")
     result_options(ap)
     ap.add_argument("--name", default=None, help="result file stem (default: <grid>_mnist_seeds)")
+    ap.add_argument("--reference", action="append", default=[], metavar="FILE:VARIANTS",
+                    help="join these variants' seeds from a committed result of this tool with the same protocol "
+                         "(e.g. the campaign's TwoRes and RefineNet; repeatable)")
     args = ap.parse_args(argv)
     name = args.name or f"{args.grid}_mnist_seeds"
     if args.render:
@@ -352,6 +391,7 @@ def main(argv=None) -> None:
         res = collect([(p, json.loads(p.read_text())) for p in args.part])
         if res["meta"]["grid"] != args.grid:
             raise SystemExit(f"the parts are {res['meta']['grid']!r} results, not {args.grid!r}")
+        add_references(res, args.reference)
         res["meta"]["command"] = script_command("benchmarks.tools.generative_seeds", argv)
         res["meta"]["name"] = name
     write_results(args.out, name, res, render)
