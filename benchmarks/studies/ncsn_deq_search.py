@@ -336,10 +336,11 @@ def main(argv: list[str] | None = None) -> None:
     elif args.sample:
         if args.sample not in designs() or not args.ckpt or not args.twores_ckpt:
             ap.error(f"--sample needs one of {designs()}, --ckpt and --twores-ckpt")
-        res = load_existing(args.out)
-        if not res:
+        if not load_existing(args.out):
             ap.error(f"{args.out / NAME}.json does not exist yet: collect the parts first")
-        res.setdefault("sampling", {})[args.sample] = sanitized(measure_sampling(args), args.root)
+        measured = sanitized(measure_sampling(args), args.root)
+        res = load_existing(args.out)  # read after the measurement: a row joined meanwhile stays
+        res.setdefault("sampling", {})[args.sample] = measured
         res["designs"].get(args.sample, {})["sampling"] = res["sampling"][args.sample]
     else:
         if not args.parts:
