@@ -51,7 +51,7 @@ STOP = [*FAST, "data.n_train=64", "trainer.max_epochs=4", "deq=true", "loss=ssm_
         "callbacks=early_stopping", "callbacks.early_stopping.patience=1", "callbacks.early_stopping.min_delta=1e9",
         "callbacks.progress_bar=null", "callbacks.profiling.saved_tensors=false", "trainer.enable_progress_bar=false",
         "trainer.precision=64-true"]
-MID_EPOCH_CHECKS = ["trainer.val_check_interval=2"]  # validation every 2 of an epoch's 4 steps: checked at its end
+MID_EPOCH_CHECKS = ["trainer.val_check_interval=2"]  # validation every 2 of an epoch's 4 steps: checked after each
 
 
 class KillAtTest(L.Callback):
@@ -68,19 +68,20 @@ def kill_after_step(step: int) -> list[str]:
     return ["+callbacks.kill._target_=tests.test_resume_kill.KillAfterStep", f"+callbacks.kill.step={step}"]
 
 
-def _killed_then_resumed(overrides: list[str], kill: list[str], run_dir: Path) -> tuple[dict, dict, str]:
-    rc, err = finish(start([*overrides, *kill], run_dir))
+def _reference_and_killed(overrides: list[str], kill: list[str], tmp_path: Path):
+    """The uninterrupted run and the run to kill side by side (one thread each), then the killed one resumed from
+    its last.ckpt: ((ref checkpoint, ref metrics), (resumed checkpoint, resumed metrics), resumed run dir)."""
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "killed"
+    ref, victim = start(overrides, ref_dir), start([*overrides, *kill], run_dir)
+    rc, err = finish(ref)
+    assert rc == 0, err[-3000:]
+    rc, err = finish(victim)
     assert rc == -signal.SIGKILL, f"not killed (rc {rc}): {err[-3000:]}"
     rc, err = finish(start([*overrides, f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"], run_dir))
     assert rc == 0, err[-3000:]
-    return (load_checked(run_dir / "checkpoints" / "last.ckpt"),
-            json.loads((run_dir / "metrics.json").read_text()), err)
-
-
-def _uninterrupted(overrides: list[str], run_dir: Path) -> tuple[dict, dict]:
-    rc, err = finish(start(overrides, run_dir))
-    assert rc == 0, err[-3000:]
-    return load_checked(run_dir / "checkpoints" / "last.ckpt"), json.loads((run_dir / "metrics.json").read_text())
+    runs = [(load_checked(d / "checkpoints" / "last.ckpt"), json.loads((d / "metrics.json").read_text()))
+            for d in (ref_dir, run_dir)]
+    return runs[0], runs[1], run_dir
 
 
 def _assert_same_run(ref: tuple[dict, dict], resumed: tuple[dict, dict]) -> None:
@@ -93,35 +94,29 @@ def _assert_same_run(ref: tuple[dict, dict], resumed: tuple[dict, dict]) -> None
     assert tests and tests == {k: v for k, v in mb.items() if k.startswith("test/")}
 
 
-@pytest.fixture(scope="module")
-def stopped_run(tmp_path_factory):
-    """The uninterrupted run: 4 steps an epoch, checks at epoch ends, stopped after epoch 2 (step 8 of 16)."""
-    ckpt, metrics = _uninterrupted(STOP, tmp_path_factory.mktemp("early_stopping_ref"))
-    assert ckpt["global_step"] == 8, ckpt["global_step"]
-    return ckpt, metrics
-
-
-def test_a_run_killed_in_its_test_after_stopping_early_resumes_to_the_same_test(stopped_run, tmp_path):
-    """Killed after the stop (last.ckpt: after epoch 2's validation, before its check): the resumed check reads
-    the kept value, stops at once and tests the same checkpoint (Lightning's raised: the metric was gone)."""
-    ckpt, metrics, _ = _killed_then_resumed(STOP, KILL_AT_TEST, tmp_path)
-    _assert_same_run(stopped_run, (ckpt, metrics))
+def test_a_run_killed_in_its_test_after_stopping_early_resumes_to_the_same_test(tmp_path):
+    """4 steps an epoch, checks at epoch ends: the uninterrupted run stops after epoch 2 (step 8 of 16). Killed
+    after the stop (last.ckpt: after epoch 2's validation, before its check), the resumed check reads the kept
+    value, stops at once and tests the same checkpoint (Lightning's raised: the metric was gone)."""
+    ref, resumed, _ = _reference_and_killed(STOP, KILL_AT_TEST, tmp_path)
+    assert ref[0]["global_step"] == 8, ref[0]["global_step"]
+    _assert_same_run(ref, resumed)
 
 
 @pytest.mark.slow
-def test_a_run_killed_between_a_validation_and_its_check_trains_on_as_uninterrupted(stopped_run, tmp_path):
+def test_a_run_killed_between_a_validation_and_its_check_trains_on_as_uninterrupted(tmp_path):
     """Killed at the first step of epoch 2 (last.ckpt: after epoch 1's validation, before its check): the resumed
     run checks epoch 1 with the kept value, trains epoch 2 and stops there."""
-    ckpt, metrics, _ = _killed_then_resumed(STOP, kill_after_step(4), tmp_path)
-    _assert_same_run(stopped_run, (ckpt, metrics))
+    ref, resumed, _ = _reference_and_killed(STOP, kill_after_step(4), tmp_path)
+    assert ref[0]["global_step"] == 8
+    _assert_same_run(ref, resumed)
 
 
 @pytest.mark.slow
 def test_a_run_stopped_by_a_check_inside_an_epoch_stays_stopped_when_resumed(tmp_path):
     """Checks after each validation (inside epochs): last.ckpt holds the stop; the resumed run does not train on
     (Lightning's would: ``trainer.should_stop`` is not in its checkpoint)."""
-    ref = _uninterrupted([*STOP, *MID_EPOCH_CHECKS], tmp_path / "ref")
+    ref, resumed, run_dir = _reference_and_killed([*STOP, *MID_EPOCH_CHECKS], KILL_AT_TEST, tmp_path)
     assert ref[0]["global_step"] == 4
-    ckpt, metrics, _ = _killed_then_resumed([*STOP, *MID_EPOCH_CHECKS], KILL_AT_TEST, tmp_path / "killed")
-    assert "the resumed run trains no further" in (tmp_path / "killed" / "train.log").read_text()
-    _assert_same_run(ref, (ckpt, metrics))
+    assert "the resumed run trains no further" in (run_dir / "train.log").read_text()
+    _assert_same_run(ref, resumed)
