@@ -111,7 +111,7 @@ def normalized_residual():
 @pytest.mark.parametrize("build", [
     lambda: dense(1), lambda: dense(2), conv, residual,
     # the normalized-residual map's implicit backward to third order is in the default suite in
-    # tests/test_deq_normalized_residual.py (score, Hessian trace, SM parameter gradient against the same unroll)
+    # tests/test_deq_normalized_residual.py (score, Hessian trace, SM parameter gradient against a 40-step unroll)
     pytest.param(normalized_residual, marks=pytest.mark.slow)],
     ids=["dense1", "dense2", "conv", "residual", "normalized_residual"])
 def test_implicit_matches_unrolled_reference_to_every_order(build):

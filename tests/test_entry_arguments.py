@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from src.runs.load import split_arguments
 from tests.conftest import REPO_ROOT
 
@@ -17,6 +19,8 @@ def test_own_keys_apart_from_overrides():
     assert overrides == ["data.root=/d"]  # a bare own key is neither
 
 
+# slow: test_one_line_errors.py's src.sample case runs the same command (ckpt_path taken, the missing file named)
+@pytest.mark.slow
 def test_entry_points_take_their_keys_on_the_command_line(tmp_path):
     """The commands themselves: src.evaluate without ckpt_path prints its usage line; src.sample passes its
     ckpt_path on (a missing file is named) and keeps n/out apart from the run-config overrides."""

@@ -38,6 +38,8 @@ def checkpoint_train_time(path: Path) -> float:
     return value
 
 
+# slow: test_resume_kill.py's dkef_midval case SIGKILLs and resumes a DKEF run, bit-equal (train time: only here)
+@pytest.mark.slow
 def test_kill_and_resume_matches_uninterrupted_run(tmp_path):
     full = tmp_path / "full"
     res = run_train([*RUN, "seed=3"], full)
@@ -105,6 +107,8 @@ def test_corrupt_and_foreign_checkpoints_are_named(tmp_path):
     assert res.returncode != 0 and "truncated.ckpt is truncated" in res.stderr
 
 
+# slow: test_ddp.py's VAE case runs trainer=ddp_cpu with identical ranks and a sharded test phase
+@pytest.mark.slow
 def test_ddp_two_cpu_processes_end_identical(tmp_path):
     run_dir = tmp_path / "ddp"
     res = run_train([*FAST, "callbacks=default", "callbacks.progress_bar=null", "trainer=ddp_cpu",

@@ -68,10 +68,10 @@ def _warnings_of(overrides: list[str], run_dir) -> list[str]:
     return [ln for ln in (done.stdout + done.stderr).splitlines() if MARKERS.match(ln)]
 
 
-# slow (10 steps): the 40-step run covers its phases and validation; test_start_errors.py checks its warning
-@pytest.mark.parametrize("steps, validates", [(40, True), pytest.param(10, False, marks=pytest.mark.slow)])
+# slow (10 steps): the 8-step run covers its phases and two validations; test_start_errors.py checks its warning
+@pytest.mark.parametrize("steps, validates", [(8, True), pytest.param(10, False, marks=pytest.mark.slow)])
 def test_the_main_job_prints_no_warning_the_user_did_not_cause(tmp_path, steps, validates):
-    extra = ["trainer.val_check_interval=20"] if validates else []
+    extra = ["trainer.val_check_interval=4"] if validates else []
     found = _warnings_of([f"trainer.max_steps={steps}", *extra], tmp_path)
     allowed = ALLOWED + ([] if validates else [CUT_SHORT])
     unexpected = [w for w in found if not any(re.search(p, w) for p in allowed)]
