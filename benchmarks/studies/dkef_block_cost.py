@@ -148,6 +148,12 @@ def _ratios(ratios: list[float]) -> str:
     return f"{statistics.median(ratios):.2f} ({', '.join(f'{x:.2f}' for x in ratios)})"
 
 
+def _arm_table(by_rev: dict, head: str, rule: str, cells) -> list[str]:
+    """One table of a setting: a row per revision and arm, ``cells(arm's figures)`` after the two names."""
+    rows = [f"| {rev} | {arm} | {cells(v)} |" for rev, entry in by_rev.items() for arm, v in entry["arms"].items()]
+    return [head, rule, *rows, ""]
+
+
 def render(res: dict) -> str:
     meta = res["meta"]
     lines = ["# DKEF's DEQ block against the 3-layer net: bytes saved and step time", "",
@@ -160,23 +166,20 @@ def render(res: dict) -> str:
     for setting, by_rev in res["settings"].items():
         s = SETTINGS[setting]
         lines += [(f"## {setting}: D = {s['dim']}, batch {s['batch']}, record K = {s['record_k']} "
-                  f"({next(iter(by_rev.values()))['source']})"), "",
-                  ("| revision | arm | saved MB | × 3-layer | min ms | × 3-layer: median over workers of the min ratio "
-                  "(per worker) | median ms | × 3-layer: of the median ratio (per worker) |"), "|---|---|---:|---:|---:|---|---:|---|"]
-        for rev, entry in by_rev.items():
-            for arm, v in entry["arms"].items():
-                lines.append(f"| {rev} | {arm} | {v['saved_mb']:.3f} | {v['bytes_ratio']:.3f} | {v['min_ms']:.1f} | "
-                             f"{_ratios(v['time_ratios'])} | {v['median_ms']:.1f} | {_ratios(v['median_ratios'])} |")
-        lines.append("")
+                  f"({next(iter(by_rev.values()))['source']})"), ""]
+        lines += _arm_table(by_rev, ("| revision | arm | saved MB | × 3-layer | min ms | × 3-layer: median over workers "
+                                     "of the min ratio (per worker) | median ms | × 3-layer: of the median ratio (per "
+                                     "worker) |"), "|---|---|---:|---:|---:|---|---:|---|",
+                            lambda v: (f"{v['saved_mb']:.3f} | {v['bytes_ratio']:.3f} | {v['min_ms']:.1f} | "
+                                       f"{_ratios(v['time_ratios'])} | {v['median_ms']:.1f} | "
+                                       f"{_ratios(v['median_ratios'])}"))
         if all("cpu_min_ms" in v for entry in by_rev.values() for v in entry["arms"].values()):
-            lines += ["CPU time of the step (`time.thread_time`, its one thread's; the same pairing):", "",
-                      ("| revision | arm | min CPU ms | × 3-layer: median over workers of the min ratio (per worker) "
-                       "| median CPU ms | × 3-layer: of the median ratio (per worker) |"), "|---|---|---:|---|---:|---|"]
-            for rev, entry in by_rev.items():
-                for arm, v in entry["arms"].items():
-                    lines.append(f"| {rev} | {arm} | {v['cpu_min_ms']:.1f} | {_ratios(v['cpu_ratios'])} | "
-                                 f"{v['cpu_median_ms']:.1f} | {_ratios(v['cpu_median_ratios'])} |")
-            lines.append("")
+            lines += ["CPU time of the step (`time.thread_time`, its one thread's; the same pairing):", ""]
+            lines += _arm_table(by_rev, ("| revision | arm | min CPU ms | × 3-layer: median over workers of the min "
+                                         "ratio (per worker) | median CPU ms | × 3-layer: of the median ratio (per "
+                                         "worker) |"), "|---|---|---:|---|---:|---|",
+                                lambda v: (f"{v['cpu_min_ms']:.1f} | {_ratios(v['cpu_ratios'])} | "
+                                           f"{v['cpu_median_ms']:.1f} | {_ratios(v['cpu_median_ratios'])}"))
     if meta.get("note"):
         lines += [meta["note"].rstrip(), ""]
     return "\n".join(lines)
