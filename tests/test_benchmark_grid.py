@@ -297,3 +297,37 @@ def test_training_curves_render_stores_a_note_in_the_result_and_shows_it(tmp_pat
     assert json.loads((tmp_path / f"{name}.json").read_text())["meta"]["note"] == note.read_text()
     md = (tmp_path / f"{name}.md").read_text()
     assert "per process\n\nPoints up to 6000 steps are copies.\n\nEach checkpoint tested" in md
+
+
+def test_collect_add_joins_new_runs_to_a_saved_result_whose_run_directories_are_gone(tmp_path):
+    """``run_grid --collect --add``: the saved result's jobs stay (their run directories live on another machine),
+    a collected run of the same data set, method and seed replaces its saved row, and every command is listed."""
+    runs, out = tmp_path / "runs", tmp_path / "out"
+    out.mkdir()
+
+    def job(method, seed, sm):
+        return {"group": "gaussian100", "method": method, "seed": seed, "ok": True, "command": "c", "run_dir": "r",
+                "metrics": {"test/sm_loss": sm, "test/log_likelihood": -140.0, "global_step": 10}}
+
+    saved = {"meta": {"command": "first collect", "machine": "m", "device": "cpu", "python": "3", "parallel_jobs": 1,
+                      "threads_per_job": 1, "collect": True, "grid_commands": ["grid A"]},
+             "jobs": [job("DEQ-SM", 0, -40.0), job("SM 3-layer", 0, -10.0)]}
+    (out / "t3.json").write_text(json.dumps(saved))
+    for method, seed, sm in (("SM 3-layer", 0, -20.0), ("SM 8-layer", 1, -30.0)):
+        run_dir = run_grid.run_dir_of(runs, {"group": "gaussian100", "method": method}, seed)
+        run_dir.mkdir(parents=True)
+        (run_dir / "metrics.json").write_text(json.dumps({"test/sm_loss": sm, "test/log_likelihood": -141.0}))
+    argv = ["dkef", "--collect", "--add", "--datasets", "gaussian100", "--methods", "SM 3-layer,SM 8-layer",
+            "--seeds", "0,1", "--runs", str(runs), "--out", str(out), "--name", "t3", "--grid-command", "grid B"]
+    run_grid.main(argv)
+    res = json.loads((out / "t3.json").read_text())
+    rows = {(j["method"], j["seed"]): j["metrics"]["test/sm_loss"] for j in res["jobs"]}
+    assert rows == {("DEQ-SM", 0): -40.0, ("SM 3-layer", 0): -20.0, ("SM 8-layer", 1): -30.0}
+    assert res["meta"]["grid_commands"] == ["grid A", "grid B"]
+    assert res["meta"]["commands"][0] == "first collect" and "--add" in res["meta"]["commands"][1]
+    md = (out / "t3.md").read_text()
+    assert md.startswith("Commands, in the order they built this result") and "- `first collect`" in md
+    with pytest.raises(SystemExit):  # nothing saved to add to
+        run_grid.main([*argv[:-4], "--name", "none"])
+    with pytest.raises(SystemExit):  # --add only joins collected runs
+        run_grid.main(["dkef", "--add", "--datasets", "gaussian100", "--out", str(out), "--name", "t3"])

@@ -10,7 +10,8 @@
 - studies of trained checkpoints (``--ckpt LABEL=PATH …``): :func:`checkpoint_options` and
   :func:`checkpoint_study`;
 - result files: :func:`write_results` (``<stem>.json`` atomically, then ``<stem>.md`` rendered from it),
-  :func:`load_results` (a saved JSON to merge into), :func:`rerender` (the markdown again from a saved JSON);
+  :func:`load_results` (a saved JSON to merge into), :func:`rerender` (the markdown again from a saved JSON),
+  :func:`added_to_saved` (a grid's new jobs joined to a saved result whose run directories are gone);
 - verdicts: :func:`seed_verdict` (is one method better than another over seeds: agree / disagree / undecided at
   twice the standard error of the difference and by Welch's t-test: :func:`seed_rules`, :func:`welch_t_test`).
 
@@ -279,3 +280,20 @@ def rerender(out: Path, stem: str, render: Callable[[dict], str]) -> dict:
     res = json.loads((Path(out) / f"{stem}.json").read_text())
     (Path(out) / f"{stem}.md").write_text(render(res))
     return res
+
+
+def added_to_saved(saved: dict, jobs: list[dict], meta: dict) -> tuple[list[dict], dict]:
+    """The saved result's jobs with ``jobs`` added, a new job replacing a saved one of the same data set, method
+    and seed; the grid commands of both, and every command that built the result in order (``meta["commands"]``,
+    a command run again listed once), the saved note kept unless a new one is given."""
+    def key(job):
+        return job["group"], job["method"], job["seed"]
+
+    new = {key(j) for j in jobs}
+    merged = [j for j in saved["jobs"] if key(j) not in new] + jobs
+    old = saved["meta"]
+    meta = dict(meta, grid_commands=list(dict.fromkeys([*old["grid_commands"], *meta["grid_commands"]])),
+                commands=list(dict.fromkeys([*(old.get("commands") or [old["command"]]), meta["command"]])))
+    if old.get("note"):
+        meta.setdefault("note", old["note"])
+    return merged, meta

@@ -35,6 +35,7 @@ from benchmarks.lib.paper import DKEF_NICE, DKEF_PM
 from benchmarks.lib.results import (
     DATA_ROOT,
     ROOT,
+    added_to_saved,
     fmt,
     machine_facts,
     note_lines,
@@ -119,23 +120,6 @@ def collect(grids: list[tuple[str, Path]], root: str, tails: bool) -> list[dict]
             job["grid_command"] = data["meta"]["command"]
             jobs.append(job)
     return jobs
-
-
-def added_to_saved(saved: dict, jobs: list[dict], meta: dict) -> tuple[list[dict], dict]:
-    """The saved result's jobs with ``jobs`` added, a new job replacing a saved one of the same data set, method
-    and seed; the grid commands of both, and every command that built the result in order (``meta["commands"]``),
-    the saved note kept unless a new one is given."""
-    def key(job):
-        return job["group"], job["method"], job["seed"]
-
-    new = {key(j) for j in jobs}
-    merged = [j for j in saved["jobs"] if key(j) not in new] + jobs
-    old = saved["meta"]
-    meta = dict(meta, grid_commands=list(dict.fromkeys([*old["grid_commands"], *meta["grid_commands"]])),
-                commands=[*(old.get("commands") or [old["command"]]), meta["command"]])
-    if old.get("note"):
-        meta.setdefault("note", old["note"])
-    return merged, meta
 
 
 # -------------------------------------------------------------------------------------------- table

@@ -12,7 +12,9 @@ Results are rewritten after every job (``<grid>.json``: raw metrics, commands, m
 table per data set, mean ± std over seeds, the paper's figures beside ours, the targets checked; plus the
 figures ``<grid>_fig*.png``) in ``--out`` (default ``benchmarks/results``). A job whose run directory already
 holds a ``metrics.json`` is not run again unless ``--rerun``; ``--render`` runs nothing and rebuilds the
-markdown and figures from the saved JSON (no run directories needed).
+markdown and figures from the saved JSON (no run directories needed); ``--collect --add`` joins the runs
+finished here to the saved ``<name>.json`` of earlier sessions (whose run directories may be gone), a run of the
+same data set, method and seed replacing the saved row.
 
 The paper-specific parts live here (the grids, the paper's numbers, the target verdicts); loading runs,
 mean ± std cells, markdown tables and the figure boilerplate come from :mod:`src.reports.tables`, shared with
@@ -33,7 +35,16 @@ from pathlib import Path
 
 from benchmarks.lib.jobs import run_module, thread_env, train_job
 from benchmarks.lib.paper import DKEF_NICE, PAPER_DEQ, PAPER_STOP
-from benchmarks.lib.results import DATA_ROOT, RESULTS, ROOT, fmt, seed_verdict, write_results
+from benchmarks.lib.results import (
+    DATA_ROOT,
+    RESULTS,
+    ROOT,
+    added_to_saved,
+    fmt,
+    load_results,
+    seed_verdict,
+    write_results,
+)
 from benchmarks.lib.runs import portable, tested_checkpoint
 from src.reports.tables import (
     figure,
@@ -289,8 +300,12 @@ def to_markdown(results, columns, meta) -> str:
     # how the jobs ran: this call's --jobs / --threads, or for a --collect of grids run elsewhere, --ran-with
     ran = meta.get("ran_with") or (f"{meta['parallel_jobs']} job(s) at once, {meta['threads_per_job'] or 'default'} "
                                    "torch thread(s) each")
-    lines = [f"Command: `{meta['command']}`", "",
-             f"Machine: {meta['machine']}; device {meta['device']}; python {meta['python']}; torch {meta.get('torch')}; "
+    if meta.get("commands"):  # several sessions' collects joined into one result (--add)
+        lines = ["Commands, in the order they built this result (`--add` keeps the saved jobs):", "",
+                 *(f"- `{c}`" for c in meta["commands"]), ""]
+    else:
+        lines = [f"Command: `{meta['command']}`", ""]
+    lines += [f"Machine: {meta['machine']}; device {meta['device']}; python {meta['python']}; torch {meta.get('torch')}; "
              f"{ran}" + (f"; GPU {meta['gpu']}" if meta.get("gpu") else ""), ""]
     if meta.get("note"):
         lines += [meta["note"].rstrip(), ""]
@@ -498,6 +513,9 @@ def main(argv=None):
     p.add_argument("--old-label", default="committed")
     p.add_argument("--old-keep-rest", action="store_true",
                    help="with --old: keep the file's rows of methods this grid did not re-run, under their own names")
+    p.add_argument("--add", action="store_true",
+                   help="with --collect: keep the jobs of the saved <name>.json in --out (whose run directories may be "
+                        "gone, e.g. on another machine) and add or replace those collected now")
     p.add_argument("--note", type=Path, default=None,
                    help="a markdown file printed above the tables (with --render: stored in the saved JSON first)")
     p.add_argument("--ran-with", default=None,
@@ -505,6 +523,8 @@ def main(argv=None):
                         "ran, shown on the machine line instead of this call's --jobs / --threads, e.g. 'two grids at "
                         "once, each --jobs 1 --threads 1: 2 jobs on 2 cores, 1 torch thread each'")
     args = p.parse_args(argv)
+    if args.add and not args.collect:
+        p.error("--add joins collected runs to a saved result: use it with --collect")
     grid_fn = GRIDS[args.grid][0]
     if args.render:
         stem = args.name or (args.grid + ("" if args.device == "cpu" else f"_{args.device}"))
@@ -546,15 +566,25 @@ def main(argv=None):
     args.out.mkdir(parents=True, exist_ok=True)
     stem = args.name or (args.grid + ("" if args.device == "cpu" else f"_{args.device}"))
     tasks = [(job, seed) for job in jobs for seed in seeds]
+    saved = None
+    if args.add:
+        saved = load_results(args.out, stem)
+        if not saved:
+            p.error(f"--add: {args.out / stem}.json does not exist (collect without --add first)")
     if args.collect:
         tasks = [(job, seed) for job, seed in tasks if (run_dir_of(runs, job, seed) / "metrics.json").exists()]
     results: list[dict | None] = [None] * len(tasks)
     lock = threading.Lock()
 
+    def finished():
+        """This call's rows (with --old's), joined to the saved result's with --add."""
+        done = [portable(r) for r in with_old([r for r in results if r is not None])]
+        return added_to_saved(saved, done, meta) if saved else (done, meta)
+
     def write():
-        done = with_old([r for r in results if r is not None])
-        write_results(args.out, stem, {"meta": meta, "jobs": [portable(r) for r in done]},
-                      lambda data: render(data, args.grid), indent=2)
+        done, full_meta = finished()
+        write_results(args.out, stem, {"meta": full_meta, "jobs": done}, lambda data: render(data, args.grid),
+                      indent=2)
 
     if args.old:
         meta["old"] = {"files": [str(p) for p in args.old], "label": args.old_label, "keep_rest": args.old_keep_rest}
@@ -582,8 +612,7 @@ def main(argv=None):
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         list(pool.map(work, range(len(tasks))))
-    done = with_old([r for r in results if r is not None])
-    figures = plot(done, args.out, stem)
+    figures = plot(finished()[0], args.out, stem)
     write()
     print((args.out / f"{stem}.md").read_text())
     print("wrote", args.out / f"{stem}.json", args.out / f"{stem}.md", *figures)
