@@ -112,10 +112,14 @@ def test_first_order_paths_refuse_a_second_order():
 
 
 def test_training_step_is_the_one_by_one_step():
-    """A DKEF training step's exact SM (α on one half, the loss on the other, the inducing points' features shared):
-    loss, gradients, spectral probes and warm starts of the stacked kernels against the blocks one by one, two
-    steps in a row (the second from the first's warm starts)."""
+    """A DKEF training step's exact SM (α on one half, the loss on the other, the inducing points' features shared;
+    stacked, they come from the jets' own solve and phantom steps): loss, gradients and warm starts of the stacked
+    kernels against the blocks one by one, two steps in a row (the second from the first's warm starts). The
+    spectral probes are held (eval mode): the one-by-one route takes a power step at each of its two feature calls,
+    the stacked one once a step (``test_one_power_step_per_training_step``)."""
     stacked, alone = pair()
+    stacked.eval()
+    alone.eval()
     for seed in (9, 10):
         x = probe((10, 4), seed)
         out = []
@@ -127,9 +131,25 @@ def test_training_step_is_the_one_by_one_step():
         assert rel(out[0][0], out[1][0]) < BOUND
         assert rel(out[0][1], out[1][1]) < BOUND
         for a, b in zip(stacked.features, alone.features):
-            assert rel(a.block.sn_u0, b.block.sn_u0) < BOUND
             for shape in ((10, 7), (9, 7)):  # the jets' rows and the inducing points'
                 assert rel(a.block._warm[shape], b.block._warm[shape]) < BOUND
+
+
+def test_one_power_step_per_training_step():
+    """In training the stacked step normalizes each block's weights once (one spectral power step), so the jets and
+    the inducing points' features use the same Ŵ; the probes are where one power step takes the blocks' own."""
+    stacked, alone = pair()
+    for r, (a, b) in enumerate(zip(stacked.features, alone.features)):  # weights moved since the probes settled
+        step = 0.3 * probe(tuple(a.block.weights[0].shape), 20 + r)
+        with torch.no_grad():
+            a.block.weights[0].add_(step)
+            b.block.weights[0].add_(step)
+    x = probe((10, 4), 9)
+    with stacked.shared_inducing_features():
+        stacked.fit_and_exact_sm(x[:5], x[5:])
+    for a, b in zip(stacked.features, alone.features):
+        b.block.map_weights()  # one training call: one power step
+        assert rel(a.block.sn_u0, b.block.sn_u0) < BOUND
 
 
 def test_block_hooks_see_the_stacked_forward():

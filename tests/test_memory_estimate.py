@@ -61,7 +61,7 @@ def test_warns_with_the_keys_to_lower_when_a_step_will_not_fit(dkef, monkeypatch
     assert cb.result is not None and cb.result["step_bytes"] > 1024
     warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warning) == 1 and warning[0].startswith("memory estimate: a training step at data.batch_size=16 needs")
-    assert warning[0].endswith("Lower data.batch_size (now 16), model.net.hidden (now 30), model.net.deq_width (now 64), "
+    assert warning[0].endswith("Lower data.batch_size (now 16), model.net.hidden (now 30), model.net.deq_width (now 30), "
                                "deq.backward=implicit or fewer deq.phantom_steps (now 5).")  # model=dkef's K
     monkeypatch.setattr(me, "free_bytes", lambda device: 1 << 50)
     caplog.clear()

@@ -46,6 +46,10 @@ def test_a_checkpoint_written_before_model_net_resumes_under_its_recorded_comman
     ckpt, command = old_run(name, tmp_path, request)
     saved = torch.load(ckpt, map_location="cpu", weights_only=True)
     assert not any(k.startswith("model.net.") for k in saved[CHECKPOINT_KEY])  # written with the flat keys
+    if name == "dkef":  # the main job's default bound was λ = 2 when it was written (1.8 since issue 60): today's
+        with pytest.raises(ResumeMismatchError, match=r"deq\.norm_lambda: 2\.0 in the checkpoint, 1\.8 here"):
+            train(compose_train([*command, f"ckpt_path={ckpt}", "trainer.max_steps=3"], tmp_path / "default"))
+        command = [*command, "deq.norm_lambda=2.0"]  # its day's default, spelled out
     cfg = compose_train([*command, f"ckpt_path={ckpt}", "trainer.max_steps=3"], tmp_path / "resumed")
     flat = set(FLAT_NET_KEYS[name]) & set(cfg.model)
     assert not flat and cfg.model.net._target_ in ("src.models.dkef.DKEF", "src.models.ncsn.NCSN")

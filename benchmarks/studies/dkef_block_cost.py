@@ -12,13 +12,18 @@ all its steps (and the median, for the noise), and each ratio is to the 3-layer 
 step's CPU time (``time.thread_time``, one thread) is recorded beside its wall time: other jobs' load stretches
 the wall time of whatever step they preempt, the CPU time much less.
 
-Arms (spectral λ = 2 unless named; Picard, relative 1e-4, as ``conf/shared/deq_solver.yaml``):
+Arms (spectral; Picard, relative 1e-4, as ``conf/shared/deq_solver.yaml``; every DEQ at the setting's latent
+width: main 30 (``conf/model/dkef.yaml``), uci 64 (``conf/experiment/dkef_uci.yaml``)):
 
-- ``record``: the setting's block of record — main: K = 5 phantom steps (``conf/deq/family/dkef.yaml``);
-  uci: K = 2 (``conf/experiment/dkef_uci.yaml``);
+- ``record``: the setting's block of record — main: λ = 1.8, K = 5 phantom steps (``conf/deq/family/dkef.yaml``);
+  uci: λ = 2, K = 2 (``conf/experiment/dkef_uci.yaml``);
 - ``implicit``: the same block with ``deq.backward=implicit`` (exact derivatives; the jets' implicit route);
 - ``paper``: the paper's block, Frobenius λ = 2, K = 2;
-- ``3-layer``: ``deq=false depth=3``.
+- ``3-layer``: ``deq=false depth=3``;
+- main only, ``former record (width 64, λ 2)``: the main job's record before its width and bound changed (K = 5).
+
+(Revisions are measured by their own copy of this study: an older one builds its own arms, e.g. the main job's
+record at width 64, λ = 2.)
 
     python -m benchmarks.studies.dkef_block_cost --revs 67b52d7,HEAD
     python -m benchmarks.studies.dkef_block_cost --revs HEAD --settings main --ks 4,3 --name dkef_block_cost_k
@@ -28,6 +33,7 @@ Arms (spectral λ = 2 unless named; Picard, relative 1e-4, as ``conf/shared/deq_
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -48,21 +54,30 @@ from benchmarks.lib.results import (
 from benchmarks.lib.step_cases import ROOT, commit_of, rev_env, rev_trees
 
 MODULE = "benchmarks.studies.dkef_block_cost"
-SETTINGS = {"main": {"dim": 10, "batch": 32, "record_k": 5}, "uci": {"dim": 11, "batch": 128, "record_k": 2}}
+SETTINGS = {"main": {"dim": 10, "batch": 32, "record_k": 5, "record_width": 30, "record_lambda": 1.8},
+            "uci": {"dim": 11, "batch": 128, "record_k": 2, "record_width": 64, "record_lambda": 2.0}}
 ARMS = ("record", "implicit", "paper", "3-layer")
+# the main job's record before its latent width and bound changed (conf/deq/family/dkef.yaml), measured beside it
+FORMER = {"main": ("former record (width 64, λ 2)", {"width": 64, "norm_lambda": 2.0})}
 SOLVER = {"solver": "picard", "tol": 1e-4, "stop_mode": "rel", "max_iter": 30, "warm_start": True,
           "norm": "spectral", "norm_lambda": 2.0, "backward": "phantom", "injection": None}
 BOUNDS = {"bytes": 1.1, "time": 1.2}
 OPTIMIZER = {"_target_": "torch.optim.Adam", "_partial_": True, "lr": 1e-3, "weight_decay": 1e-12}  # conf/model/dkef.yaml
 
 
-def _deq(arm: str, k: int) -> dict | None:
+def _arm(setting: str, arm: str) -> tuple[dict | None, int | None]:
+    """An arm's ``deq`` setting (None: the 3-layer net) and the DEQ's latent width, in the setting."""
+    s = SETTINGS[setting]
+    record = {"enabled": True, **SOLVER, "norm_lambda": s["record_lambda"], "phantom_steps": s["record_k"]}
+    width = s["record_width"]
     if arm.startswith("record K="):  # --ks: the record with another number of phantom steps
-        return {"enabled": True, **SOLVER, "phantom_steps": int(arm.split("=")[1])}
-    return {"record": {"enabled": True, **SOLVER, "phantom_steps": k},
-            "implicit": {"enabled": True, **SOLVER, "phantom_steps": k, "backward": "implicit"},
+        return dict(record, phantom_steps=int(arm.split("=")[1])), width
+    if setting in FORMER and arm == FORMER[setting][0]:
+        former = FORMER[setting][1]
+        return dict(record, norm_lambda=former["norm_lambda"]), former["width"]
+    return {"record": record, "implicit": dict(record, backward="implicit"),
             "paper": {"enabled": True, **SOLVER, "norm": "frobenius", "phantom_steps": 2},
-            "3-layer": None}[arm]
+            "3-layer": None}[arm], width
 
 
 def _data(setting: str, data_root: str | None):
@@ -86,6 +101,7 @@ def worker(setting: str, rounds: int, warmup: int, data_root: str | None, ks: tu
     from benchmarks.lib.step import trainer_free, training_step
     from src.callbacks.profiling import SavedTensorsMeter
     from src.lit.dkef import DKEFLitModule
+    from src.models.dkef import DKEF
 
     torch.set_num_threads(1)
     torch.set_flush_denormal(True)
@@ -93,11 +109,13 @@ def worker(setting: str, rounds: int, warmup: int, data_root: str | None, ks: tu
     rows, source = _data(setting, data_root)
     batches = [rows[s["batch"] * k: s["batch"] * (k + 1)] for k in range(8)]
     arms = {}
-    for arm in (*ARMS, *(f"record K={k}" for k in ks)):
+    former = (FORMER[setting][0],) if setting in FORMER else ()
+    for arm in (*ARMS, *former, *(f"record K={k}" for k in ks)):
         torch.manual_seed(0)
-        deq = _deq(arm, s["record_k"])
+        deq, width = _arm(setting, arm)
         module = DKEFLitModule(s["dim"], loss={"name": "sm"}, deq=deq or {"enabled": False},
-                               depth=None if deq else 3, optimizer=OPTIMIZER)
+                               depth=None if deq else 3, optimizer=OPTIMIZER,
+                               net=functools.partial(DKEF, deq_width=width))
         with torch.no_grad():
             module.net.inducing.copy_(rows[-200:])
         arms[arm] = (module, trainer_free(module))

@@ -260,11 +260,19 @@ class DKEF(nn.Module):
         where J_r[n] = (∂u_r/∂x)ᵀ is stored ``[D, F]``, so the module docstring's Jᵀ(u − u_m) is J_r[n](u − u_m) here,
         and ‖J_r[n]v‖² = vᵀ(J_r[n]ᵀJ_r[n])v goes through the [F, F] Gram matrix: no [N, D, M] tensor is formed.
         Returns J = [J_1 | J_2 | …] ``[N, D, R·F]``, B ``[N, M, R·F]`` and Δₓk ``[N, M]``."""
-        if self.stacked():
-            jets = list(zip(*(t.unbind(0) for t in stacked_jets(self.features, x))))
+        cache = self._inducing_cache
+        if self.stacked() and not cache:  # the inducing points' features from the jets' own solve and steps
+            stacked, uz = stacked_jets(self.features, x, values_of=self.inducing)
+            jets = list(zip(*(t.unbind(0) for t in stacked)))
+            uz_all = self._side_by_side(uz)
+            if cache is not None:  # within shared_inducing_features(): kept for the step's other uses
+                cache[:] = [(uz_all, True)]
         else:
-            jets = [feature_jet(phi, x) for phi in self.features]
-        uz_all = self._inducing_features(first_order=True)
+            if self.stacked():
+                jets = list(zip(*(t.unbind(0) for t in stacked_jets(self.features, x))))
+            else:
+                jets = [feature_jet(phi, x) for phi in self.features]
+            uz_all = self._inducing_features(first_order=True)
         with record_function(PHASE_KERNEL_DERIVATIVES):
             rho = torch.softmax(self.kernel_logits, 0)
             lap = 0.0

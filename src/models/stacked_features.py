@@ -9,7 +9,7 @@ the fixed point of the block-diagonal map on the stacked state Z = [z_1; …; z_
 solved once under the blocks' setting (the solver sees the R·N rows as samples, so every (r, n) row meets the
 blocks' per-sample stop rule), followed by the K phantom steps of Alg. 1 (Prop. 2) on the stack — carrying the
 jet (value, Jacobian ∂/∂x, Laplacian Σ_d ∂²/∂x_d²; src/models/feature_jets.py) when :func:`stacked_jets` asks.
-The step of the main job is bound by many small operations (three 64-wide maps): stacked, it pays each
+The step of the main job is bound by many small operations (three narrow maps): stacked, it pays each
 operation's overhead once instead of R times. The phantom steps' derivatives are the same K-term Neumann series
 as each block's own (Alg. 1 applied per block, since the stacked Jacobian is block-diagonal).
 
@@ -18,11 +18,14 @@ at each call (Ŵ_r from each block's ``map_weights``, its normalization with its
 from its own remembered fixed point and remembers its own, and records the stacked solve's info with its own rows'
 residual (:meth:`src.deq.block.DEQBlock.record`). :func:`stacked_features` runs the hooks registered on each block
 as ``block(x)`` would (the DEQ monitor's input capture, ``forward_infos``); :func:`stacked_jets`, as the
-one-by-one jet route, calls no block.
+one-by-one jet route, calls no block — unless it also gives the inducing points' features (``values_of``), whose
+call the hooks then see as :func:`stacked_features` shows it.
 
 The phantom steps of the jet route and of the inducing points' features (both differentiated once, w.r.t. the
 parameters) are :class:`_PhantomSteps`: a hand-written reverse sweep that recomputes the K steps instead of saving
-them, so a step saves the solve's inputs, not K steps' activations (the bytes issue 60 bounds).
+them, so a step saves the solve's inputs, not K steps' activations (the bytes issue 60 bounds). A DKEF training
+step runs both in one: the batch's rows carry the jet, the inducing points' rows their values, through one solve
+and one set of steps (``stacked_jets(…, values_of=…)``; one spectral power step per training step).
 
 :func:`stackable` says which feature networks qualify: two or more dense Softplus :class:`DEQNet`s with a linear
 injection, equal shapes and one setting with the phantom backward (no Jacobian penalty, no correction states, no
@@ -91,8 +94,9 @@ def _stacked_params(nets, x):
     return blocks, g, u_t, weights
 
 
-def _record(blocks, z: torch.Tensor, info: EquilibriumInfo) -> None:
-    """Each block's record (its own rows' residual and fixed point) and warm start."""
+def _record(blocks, z: torch.Tensor, info: EquilibriumInfo, rows: list[int] | None = None) -> None:
+    """Each block's record (its own rows' residual and fixed point) and warm start: of each input's ``rows`` apart
+    when the solve ran several inputs' rows together (the jets and the inducing points' features)."""
     per_block = info.sample_residual.reshape(len(blocks), -1) if info.sample_residual is not None else None
     z_star = info.z_star.reshape(z.shape) if info.z_star is not None else None
     for r, b in enumerate(blocks):
@@ -103,7 +107,8 @@ def _record(blocks, z: torch.Tensor, info: EquilibriumInfo) -> None:
         if z_star is not None:
             mine.z_star = z_star[r]
         b.record(mine)
-        b.remember(z[r])
+        for part in z[r].split(rows or [z.shape[1]]):  # each input's rows: its own warm start
+            b.remember(part)
 
 
 def _pre_hooks(blocks, x) -> None:
@@ -122,17 +127,18 @@ def _post_hooks(blocks, x, z) -> None:
             hook(b, (x,), z[r])
 
 
-def _forward_steps(z_star, g, u_t, w1, steps: int, jets: bool, keep: bool = False):
-    """The K phantom steps from the constant z* (no autograd): the last (z, J, L) (J, L None without ``jets``); with
-    ``keep`` instead the tape of every step — its input (z, J, L) and its (p, P_J, P_L, σ₁, q) — for
-    :class:`_PhantomSteps`' reverse sweep (the last step's output is then not formed)."""
+def _forward_steps(z_star, g, u_t, w1, steps: int, n_jet: int, keep: bool = False):
+    """The K phantom steps from the constant z* (no autograd): the last (z, J, L), where the first ``n_jet`` rows of
+    each block carry the jet (J ``[R, n_jet, D, W]``, L ``[R, n_jet, W]``; both None when ``n_jet`` is 0) and every
+    row its value; with ``keep`` instead the tape of every step — its input (z, J, L) and its (p, P_J, P_L, σ₁, q)
+    — for :class:`_PhantomSteps`' reverse sweep (the last step's output is then not formed)."""
     r, n, w = z_star.shape
     z, j, lap = z_star, None, None
     w1t = w1.transpose(1, 2)
     tape = []
     for k in range(int(steps)):
         p = torch.baddbmm(g, z, w1t)
-        if not jets:
+        if not n_jet:
             if keep:
                 tape.append((z, None, None, p, None, None, torch.sigmoid(p), None))
                 if k == int(steps) - 1:
@@ -140,7 +146,7 @@ def _forward_steps(z_star, g, u_t, w1, steps: int, jets: bool, keep: bool = Fals
             z = F.softplus(p)
             continue
         if j is None:  # from z*: J = 0, L = 0, so P_J = U_rᵀ for every row and P_L = 0
-            pj, pl = u_t.unsqueeze(1).expand(r, n, *u_t.shape[1:]), None
+            pj, pl = u_t.unsqueeze(1).expand(r, n_jet, *u_t.shape[1:]), None
         else:
             pj = torch.bmm(j.reshape(r, -1, w), w1t).reshape(j.shape).add_(u_t.unsqueeze(1))
             pl = torch.bmm(lap, w1t)
@@ -150,16 +156,18 @@ def _forward_steps(z_star, g, u_t, w1, steps: int, jets: bool, keep: bool = Fals
             tape.append((z, j, lap, p, pj, pl, s1, q))
             if k == int(steps) - 1:
                 break
-        s2 = s1 * (1 - s1)
+        s1j = s1[:, :n_jet] if n_jet < n else s1
+        s2 = s1j * (1 - s1j)
         z = F.softplus(p)
-        j = s1.unsqueeze(2) * pj
-        lap = s2 * q if pl is None else torch.addcmul(s1 * pl, s2, q)
+        j = s1j.unsqueeze(2) * pj
+        lap = s2 * q if pl is None else torch.addcmul(s1j * pl, s2, q)
     return (z, j, lap), tape
 
 
 class _PhantomSteps(torch.autograd.Function):
-    """The K phantom steps of Alg. 1 of the stacked one-layer map from the constant z*, optionally carrying the jet,
-    with a hand-written reverse sweep: forward (z*, G, U_rᵀ, Ŵ) ↦ (z_K, J_K, L_K) saving only its inputs, backward
+    """The K phantom steps of Alg. 1 of the stacked one-layer map from the constant z*, the first ``n_jet`` rows of
+    each block carrying the jet (0: none), with a hand-written reverse sweep: forward (z*, G, U_rᵀ, Ŵ) ↦ (z_K, J_K,
+    L_K) saving only its inputs, backward
     recomputing the K steps and taking their transposed products (the transposes of the jet map's, as in
     src/models/feature_jets.py's ``JetMap.linearize``): with σ₁ = sigmoid(p), σ₂ = σ₁(1 − σ₁), σ₃ = σ₂(1 − 2σ₁) and
     q = Σ_d P_J,d², the adjoints (a_z, a_J, a_L) of a step's output give
@@ -172,11 +180,11 @@ class _PhantomSteps(torch.autograd.Function):
     where ``once_differentiable`` would let ``torch.autograd.grad`` drop its terms silently)."""
 
     @staticmethod
-    def forward(ctx, z_star, g, u_t, w1, steps, jets):
-        (z, j, lap), _ = _forward_steps(z_star, g, u_t, w1, steps, jets)
-        ctx.steps, ctx.jets = int(steps), bool(jets)
+    def forward(ctx, z_star, g, u_t, w1, steps, n_jet):
+        (z, j, lap), _ = _forward_steps(z_star, g, u_t, w1, steps, n_jet)
+        ctx.steps, ctx.n_jet = int(steps), int(n_jet)
         ctx.save_for_backward(z_star, g, u_t, w1)
-        return (z, j, lap) if jets else z
+        return (z, j, lap) if n_jet else z
 
     @staticmethod
     def backward(ctx, a_z, a_j=None, a_l=None):
@@ -185,27 +193,28 @@ class _PhantomSteps(torch.autograd.Function):
                                "is written out, src/models/stacked_features.py): a create_graph backward through "
                                "them is not supported; set the DKEF's stack_kernels = False for it")
         z_star, g, u_t, w1 = ctx.saved_tensors
-        jets = ctx.jets
-        _, tape = _forward_steps(z_star, g, u_t, w1, ctx.steps, jets, keep=True)
+        n_jet = ctx.n_jet
+        _, tape = _forward_steps(z_star, g, u_t, w1, ctx.steps, n_jet, keep=True)
         r, n, w = z_star.shape
         g_bar, w_bar = torch.zeros_like(g), torch.zeros_like(w1)
-        u_bar = torch.zeros_like(u_t) if jets else None
+        u_bar = torch.zeros_like(u_t) if n_jet else None
         a_z = torch.zeros_like(z_star) if a_z is None else a_z
-        if jets:
-            a_j = z_star.new_zeros(r, n, u_t.shape[1], w) if a_j is None else a_j
-            a_l = torch.zeros_like(z_star) if a_l is None else a_l
+        if n_jet:
+            a_j = z_star.new_zeros(r, n_jet, u_t.shape[1], w) if a_j is None else a_j
+            a_l = z_star.new_zeros(r, n_jet, w) if a_l is None else a_l
         for z, j, lap, p, pj, pl, s1, q in reversed(tape):
             b_p = s1 * a_z
-            if jets:
-                s2 = s1 * (1 - s1)
-                c = s2 * (1 - 2 * s1) * q if pl is None else torch.addcmul(s2 * pl, s2 * (1 - 2 * s1), q)
-                b_p = b_p.add_(s2 * (a_j * pj).sum(2)).addcmul_(c, a_l)
-                b_j = torch.addcmul(s1.unsqueeze(2) * a_j, (2 * s2 * a_l).unsqueeze(2), pj)
-                b_l = s1 * a_l
+            if n_jet:
+                s1j = s1[:, :n_jet] if n_jet < n else s1
+                s2 = s1j * (1 - s1j)
+                c = s2 * (1 - 2 * s1j) * q if pl is None else torch.addcmul(s2 * pl, s2 * (1 - 2 * s1j), q)
+                b_p[:, :n_jet].add_(s2 * (a_j * pj).sum(2)).addcmul_(c, a_l)  # the jet rows' terms (a view of b_p)
+                b_j = torch.addcmul(s1j.unsqueeze(2) * a_j, (2 * s2 * a_l).unsqueeze(2), pj)
+                b_l = s1j * a_l
                 u_bar += b_j.sum(1)
             g_bar += b_p
             w_bar.baddbmm_(b_p.transpose(1, 2), z)
-            if jets and j is not None:  # the first step's J = 0, L = 0 take no product
+            if n_jet and j is not None:  # the first step's J = 0, L = 0 take no product
                 w_bar.baddbmm_(b_j.reshape(r, -1, w).transpose(1, 2), j.reshape(r, -1, w))
                 w_bar.baddbmm_(b_l.transpose(1, 2), lap)
                 a_j = torch.bmm(b_j.reshape(r, -1, w), w1).reshape(b_j.shape)
@@ -216,7 +225,8 @@ class _PhantomSteps(torch.autograd.Function):
 
 
 def _readout(nets, x, z, j=None, lap=None):
-    """u_r = R_r z_r + b_r + S_r x (and J_u = J R_rᵀ + S_rᵀ, L_u = L R_rᵀ when the jet is given), batched."""
+    """u_r = R_r z_r + b_r + S_r x (and J_u = J R_rᵀ + S_rᵀ, L_u = L R_rᵀ when the jet is given: of the first rows,
+    as many as it has), batched."""
     r, w = z.shape[0], z.shape[2]
     readout_t = torch.stack([net.readout.weight for net in nets]).transpose(1, 2)  # [R, W, F]
     u = torch.baddbmm(torch.stack([net.readout.bias for net in nets]).unsqueeze(1), z, readout_t)
@@ -245,7 +255,7 @@ def stacked_features(nets, x: torch.Tensor, first_order: bool = False) -> torch.
     if first_order:
         z_star, info = solve_only(stacked_dense_map, z0, (g, w1), cfg, warn=_Warnings(blocks))
         with record_function(PHASE_PHANTOM):
-            z = _PhantomSteps.apply(z_star.reshape(r, n, w), g, u_t, w1, cfg.phantom_steps, False)
+            z = _PhantomSteps.apply(z_star.reshape(r, n, w), g, u_t, w1, cfg.phantom_steps, 0)
     else:
         z, info = equilibrium(stacked_dense_map, z0, (g, w1), cfg, correction=False, warn=_Warnings(blocks))
         z = z.reshape(r, n, w)
@@ -254,17 +264,33 @@ def stacked_features(nets, x: torch.Tensor, first_order: bool = False) -> torch.
     return _readout(nets, x, z)
 
 
-def stacked_jets(nets, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def stacked_jets(nets, x: torch.Tensor, values_of: torch.Tensor | None = None):
     """(u, J, L) of every network: u ``[R, N, F]``, J ``[R, N, D, F]`` (J[r, n, d, f] = ∂u_r,f/∂x_d), L ``[R, N, F]``
     (Σ_d ∂²u_r/∂x_d²), as :func:`src.models.feature_jets.feature_jet` gives them network by network; differentiable
-    once w.r.t. the parameters (as the jet route needs, :class:`_PhantomSteps`)."""
+    once w.r.t. the parameters (as the jet route needs, :class:`_PhantomSteps`).
+
+    ``values_of`` (e.g. DKEF's inducing points, ``[M, D]``): also their features u ``[R, M, F]``, as
+    ``stacked_features(nets, values_of, first_order=True)`` gives them, returned second — from the same solve and
+    phantom steps (their rows carry no jet), so the step pays one solve, one stacking of the weights (one spectral
+    power step) and one reverse sweep instead of two of each; each input keeps its own warm start. The blocks' hooks
+    then see the call of ``values_of`` (input and rows) as ``stacked_features`` shows it to them: the DEQ monitor
+    keeps it as the block's training input, the profiling callback the solve's record."""
     with record_function(PHASE_JET):
-        blocks, g, u_t, (w1,) = _stacked_params(nets, x)
-        r, n, w = g.shape
+        if values_of is not None:
+            _pre_hooks([net.block for net in nets], values_of)
+        n = x.shape[0]
+        rows = [n] if values_of is None else [n, values_of.shape[0]]
+        x_all = x if values_of is None else torch.cat([x, values_of])
+        blocks, g, u_t, (w1,) = _stacked_params(nets, x_all)
+        r, n_all, w = g.shape
         cfg = blocks[0].config
-        z0 = torch.stack([b.initial_state(x, g) for b in blocks]).reshape(r * n, w)
-        z_star, info = solve_only(stacked_dense_map, z0, (g, w1), cfg, warn=_Warnings(blocks))
+        z0 = torch.stack([torch.cat([b.initial_state(part, g) for part in x_all.split(rows)]) for b in blocks])
+        z_star, info = solve_only(stacked_dense_map, z0.reshape(r * n_all, w), (g, w1), cfg, warn=_Warnings(blocks))
         with record_function(PHASE_JET_STEPS):
-            z, j, lap = _PhantomSteps.apply(z_star.reshape(r, n, w), g, u_t, w1, cfg.phantom_steps, True)
-        _record(blocks, z, info)
-        return _readout(nets, x, z, j, lap)
+            z, j, lap = _PhantomSteps.apply(z_star.reshape(r, n_all, w), g, u_t, w1, cfg.phantom_steps, n)
+        _record(blocks, z, info, rows)
+        u, ju, lu = _readout(nets, x_all, z, j, lap)
+        if values_of is None:
+            return u, ju, lu
+        _post_hooks(blocks, values_of, z[:, n:])
+        return (u[:, :n], ju, lu), u[:, n:]
