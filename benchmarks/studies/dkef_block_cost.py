@@ -22,8 +22,8 @@ width: main 30 (``conf/model/dkef.yaml``), uci 64 (``conf/experiment/dkef_uci.ya
 - ``3-layer``: ``deq=false depth=3``;
 - main only, ``former record (width 64, λ 2)``: the main job's record before its width and bound changed (K = 5).
 
-(Revisions are measured by their own copy of this study: an older one builds its own arms, e.g. the main job's
-record at width 64, λ = 2.)
+(The arms are this study's; each revision's ``src`` builds and runs them, so two revisions measure the same blocks
+before and after a change of the code.)
 
     python -m benchmarks.studies.dkef_block_cost --revs 67b52d7,HEAD
     python -m benchmarks.studies.dkef_block_cost --revs HEAD --settings main --ks 4,3 --name dkef_block_cost_k

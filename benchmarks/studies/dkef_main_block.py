@@ -39,9 +39,9 @@ MODULE = "benchmarks.studies.dkef_main_block"
 MAIN_JOB = ["model=dkef", "loss=sm"]
 ARMS = {
     "record": ["deq=true"],
-    "former record (width 64, λ 2)": ["deq=true", "model.net.deq_width=64", "deq.norm_lambda=2"],
-    "width 30, λ 2": ["deq=true", "deq.norm_lambda=2"],
-    "paper's block (Frobenius λ 2, K = 2)": ["deq=true", "deq.norm=frobenius", "deq.norm_lambda=2",
+    "former record (width 64 λ 2)": ["deq=true", "model.net.deq_width=64", "deq.norm_lambda=2"],
+    "width 30 λ 2": ["deq=true", "deq.norm_lambda=2"],
+    "paper's block (Frobenius λ 2 K 2)": ["deq=true", "deq.norm=frobenius", "deq.norm_lambda=2",
                                               "deq.phantom_steps=2"],
     "3-layer": ["deq=false"],
 }
@@ -103,7 +103,7 @@ def render(res: dict) -> str:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {', '.join(ARMS)}")
+    ap.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of: {'; '.join(ARMS)}")
     ap.add_argument("--runs", type=Path, default=ROOT / "outputs" / "dkef_main_block")
     ap.add_argument("--note", type=Path, default=None, help="a markdown file printed below the table")
     result_options(ap, "dkef_main_block")
@@ -113,14 +113,14 @@ def main(argv=None) -> dict:
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     unknown = sorted(set(arms) - set(ARMS))
     if unknown:
-        ap.error(f"unknown arm(s) {unknown}; the arms are: {', '.join(ARMS)}")
+        ap.error(f"unknown arm(s) {unknown}; the arms are: {'; '.join(ARMS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     res = {"meta": {"command": script_command(MODULE, argv), "machine": machine_facts(),
                     "note": args.note.read_text() if args.note else None},
            "arms": {a: {"overrides": [*MAIN_JOB, *ARMS[a]], "runs": {}} for a in ARMS}}
     for arm in arms:
         for seed in seeds:
-            run_dir = args.runs / f"{''.join(c if c.isalnum() else '_' for c in arm)}_seed{seed}"
+            run_dir = args.runs / f"{''.join(c if c.isascii() and c.isalnum() else '_' for c in arm)}_seed{seed}"
             ran = train_job([*MAIN_JOB, *ARMS[arm], f"seed={seed}", "logger=csv",
                              "trainer.enable_progress_bar=false"], run_dir, thread_env(1))
             if not ran["ok"]:

@@ -49,6 +49,8 @@ REBUILT_BY = {
     "dkef_memory": "benchmarks.tools.step_cost dkef --render",
     "dkef_block_cost": "benchmarks.studies.dkef_block_cost --render",
     "dkef_block_cost_k": "benchmarks.studies.dkef_block_cost --render --name dkef_block_cost_k",
+    "dkef_block_cost_main": "benchmarks.studies.dkef_block_cost --render --name dkef_block_cost_main",
+    "dkef_main_block": "benchmarks.studies.dkef_main_block --render",
     "faults": "benchmarks.tools.fault_table --render",
     "gpu_suite": "benchmarks.tools.gpu_suite --render",
     "ncsn_langevin_step": "benchmarks.studies.ncsn_langevin_step --render",
@@ -94,6 +96,13 @@ SHOWS = {
                            "DKEF main job's three blocks): time to a per-sample relative 1e-4 and at equal work.",
     "ncsn_sampling_cost": "Annealed Langevin sampling seconds per image of trained DEQ-NCSN checkpoints against TwoRes "
                           "at the same settings (issue 60's bound: 1.15x).",
+    "dkef_block_cost_main": "The main job's DKEF record at latent width 30, λ 1.8 (issue 60, item 5) against the "
+                            "3-layer net, before and after the jets' and inducing points' joint solve, beside the "
+                            "former record (width 64, λ 2); RedWine's record too: bytes and step time (CPU time "
+                            "1.18x on the main job, 1.15-1.16x on RedWine).",
+    "dkef_main_block": "The main job's DKEF arms trained over 3 seeds (record, former record, width 30 at λ 2, the "
+                       "paper's block, the 3-layer net): test LL against the truth, Fisher divergence, each block's "
+                       "recurrence share, solver iterations, time and bytes per step.",
     "dkef_block_cost_k": "DKEF's block of record with K = 5, 4 and 3 phantom steps (and the implicit and paper's "
                          "blocks) against the 3-layer net on the main job: bytes and step time per K (issue 60, "
                          "item 5: no K >= 3 meets the 1.2x time bound).",
@@ -221,6 +230,8 @@ SHOWS = {
                                  "and the controlled runs that isolate the gap to the paper's DEQ-SM row (the "
                                  "α/λ refit, early stopping, the per-point tail, the optimiser, the split and the "
                                  "whitening, the LL estimator).",
+    "notes/dkef_block_cost_main": "The note printed under `dkef_block_cost_main.md` (`--note`): the main job's "
+                                  "record at width 30 and what the joint solve changed.",
     "notes/dkef_block_cost_k": "The note printed under `dkef_block_cost_k.md` (`--note`): how the record's step "
                                "time scales with K.",
     "notes/dkef_table3": "The note printed above `dkef_table3.md` (`--note`): the protocol, and why early stopping "
