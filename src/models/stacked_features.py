@@ -167,10 +167,10 @@ def _forward_steps(z_star, g, u_t, w1, steps: int, n_jet: int, keep: bool = Fals
 class _PhantomSteps(torch.autograd.Function):
     """The K phantom steps of Alg. 1 of the stacked one-layer map from the constant z*, the first ``n_jet`` rows of
     each block carrying the jet (0: none), with a hand-written reverse sweep: forward (z*, G, U_rᵀ, Ŵ) ↦ (z_K, J_K,
-    L_K) saving only its inputs, backward
-    recomputing the K steps and taking their transposed products (the transposes of the jet map's, as in
-    src/models/feature_jets.py's ``JetMap.linearize``): with σ₁ = sigmoid(p), σ₂ = σ₁(1 − σ₁), σ₃ = σ₂(1 − 2σ₁) and
-    q = Σ_d P_J,d², the adjoints (a_z, a_J, a_L) of a step's output give
+    L_K) saving only its inputs, backward recomputing the K steps and taking their transposed products (the
+    transposes of the jet map's, as in src/models/feature_jets.py's ``JetMap.linearize``): with σ₁ = sigmoid(p),
+    σ₂ = σ₁(1 − σ₁), σ₃ = σ₂(1 − 2σ₁) and q = Σ_d P_J,d², the adjoints (a_z, a_J, a_L) of a step's output give
+    (the J and L terms on the jet rows only)
 
         b_p = σ₁ a_z + σ₂ Σ_d a_J,d P_J,d + (σ₂ P_L + σ₃ q) a_L,   b_J = σ₁ a_J + 2σ₂ a_L P_J,   b_L = σ₁ a_L,
 
