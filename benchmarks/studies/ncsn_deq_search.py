@@ -298,6 +298,9 @@ def render(res: dict) -> str:
         verdict += (f" Against TwoRes' seed-0 FID at 1500: {d['twores_gap']:+.1f} (2 combined sds = "
                     f"{d['twores_margin']:.1f}): " + ("better by more than 2 sds." if d["beats_twores_1500"] else
                                                        "not better by more than 2 sds."))
+        if not d["provisional"]:
+            verdict += (f" It goes to the three-seed decision (the plan's rule 4 and amendment 2): `bash "
+                        f"benchmarks/studies/ncsn_deq_decision.sh '{d['winner']}' <data dir>`.")
     else:
         verdict = f"**No winner:** {d['why']}."
     if d["provisional"]:

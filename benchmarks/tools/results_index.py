@@ -90,7 +90,7 @@ RETIRED = {
 SHOWS = {
     "ncsn_deq_search": "The pre-registered image-DEQ search (issue 59): each design's FID at 1500 steps, recurrence "
                        "share over all noise levels, solver counts, cost and sampling time beside TwoRes, and the "
-                       "plan's rule applied (provisional until all six designs are in).",
+                       "plan's rule applied: S4 (three resolutions, λ 1.5) wins and goes to the three-seed decision.",
     "solvers_vs_torchdeq": "Forward solvers beside TorchDEQ 0.1.0 (its Anderson at several m and λ) on the trained maps "
                            "of record (ncsn_mnist at step 150 of 500, ncsn_mnist_long at step 200 of a 300-step run, the "
                            "DKEF main job's three blocks): time to a per-sample relative 1e-4 and at equal work.",
