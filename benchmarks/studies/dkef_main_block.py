@@ -15,7 +15,7 @@ record's (the ``former record`` arm, its block until issue 60: latent width 64, 
     python -m benchmarks.studies.dkef_main_block [--seeds 0,1,2] [--arms record,3-layer] [--runs DIR]
     python -m benchmarks.studies.dkef_main_block --render
 
-Writes ``benchmarks/results/dkef_main_block.{json,md}``.
+Writes ``benchmarks/results/dkef_main_block.{json,md}`` (the arms a call does not run keep their saved runs).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from pathlib import Path
 from benchmarks.lib.jobs import thread_env, train_job
 from benchmarks.lib.results import (
     ROOT,
+    load_results,
     machine_facts,
     rendered,
     result_options,
@@ -115,9 +116,11 @@ def main(argv=None) -> dict:
     if unknown:
         ap.error(f"unknown arm(s) {unknown}; the arms are: {'; '.join(ARMS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
+    saved = load_results(args.out, args.name).get("arms", {})  # the arms this call does not run keep their runs
     res = {"meta": {"command": script_command(MODULE, argv), "machine": machine_facts(),
                     "note": args.note.read_text() if args.note else None},
-           "arms": {a: {"overrides": [*MAIN_JOB, *ARMS[a]], "runs": {}} for a in ARMS}}
+           "arms": {a: {"overrides": [*MAIN_JOB, *ARMS[a]],
+                        "runs": {} if a in arms else saved.get(a, {}).get("runs", {})} for a in ARMS}}
     for arm in arms:
         for seed in seeds:
             run_dir = args.runs / f"{''.join(c if c.isascii() and c.isalnum() else '_' for c in arm)}_seed{seed}"
