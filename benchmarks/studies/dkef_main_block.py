@@ -10,7 +10,8 @@ bytes saved per step as the run's profiling callback measured them (the machine'
 study of the step's cost side by side is ``benchmarks/studies/dkef_block_cost.py``).
 
 Issue 60 asks the record for a recurrence share of at least 15 % and a test log-likelihood no worse than the former
-record's (the ``former record`` arm, its block until issue 60: latent width 64, spectral λ = 2).
+record's (the ``former record`` arm, its block until issue 60: latent width 64, spectral λ = 2). The ``one-pass
+control`` is the record's network evaluated once from z = 0 (``deq.one_pass=true``): what the recurrence adds.
 
     python -m benchmarks.studies.dkef_main_block [--seeds 0,1,2] [--arms record,3-layer] [--runs DIR]
     python -m benchmarks.studies.dkef_main_block --render
@@ -44,6 +45,7 @@ ARMS = {
     "width 30 λ 2": ["deq=true", "deq.norm_lambda=2"],
     "paper's block (Frobenius λ 2 K 2)": ["deq=true", "deq.norm=frobenius", "deq.norm_lambda=2",
                                               "deq.phantom_steps=2"],
+    "one-pass control": ["deq=true", "deq.one_pass=true"],
     "3-layer": ["deq=false"],
 }
 SHARE = "test/deq_recurrence_share/net.features."
@@ -69,7 +71,8 @@ def _span(values, fmt="{:.3f}") -> str:
 def render(res: dict) -> str:
     meta = res["meta"]
     lines = ["# The main job's DKEF block of record, trained (issue 60)", "",
-             f"Command: `{meta['command']}`", "", (f"Machine: {meta['machine']}; one `src.train` at a time, one "
+             *(["Commands, in the order they built this result:", "", *(f"- `{c}`" for c in meta["commands"])]
+               if len(meta.get("commands", [])) > 1 else [f"Command: `{meta['command']}`"]), "", (f"Machine: {meta['machine']}; one `src.train` at a time, one "
              "thread (other jobs on the machine stretch the times: read them as a guide, the cost side by side is "
              "`dkef_block_cost_main.md`)."), "",
              ("Each arm: `python -m src.train model=dkef loss=sm <arm's overrides> seed=<s>` (1520 steps). Test LL − "
@@ -116,11 +119,15 @@ def main(argv=None) -> dict:
     if unknown:
         ap.error(f"unknown arm(s) {unknown}; the arms are: {'; '.join(ARMS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    saved = load_results(args.out, args.name).get("arms", {})  # the arms this call does not run keep their runs
-    res = {"meta": {"command": script_command(MODULE, argv), "machine": machine_facts(),
-                    "note": args.note.read_text() if args.note else None},
+    saved = load_results(args.out, args.name)  # the arms this call does not run keep their runs and commands
+    command = script_command(MODULE, argv)
+    old_meta = saved.get("meta", {})
+    res = {"meta": {"command": command, "machine": machine_facts(),
+                    "commands": list(dict.fromkeys([*old_meta.get("commands", [old_meta.get("command")] if old_meta
+                                                                  else []), command])),
+                    "note": args.note.read_text() if args.note else old_meta.get("note")},
            "arms": {a: {"overrides": [*MAIN_JOB, *ARMS[a]],
-                        "runs": {} if a in arms else saved.get(a, {}).get("runs", {})} for a in ARMS}}
+                        "runs": {} if a in arms else saved.get("arms", {}).get(a, {}).get("runs", {})} for a in ARMS}}
     for arm in arms:
         for seed in seeds:
             run_dir = args.runs / f"{''.join(c if c.isascii() and c.isalnum() else '_' for c in arm)}_seed{seed}"
