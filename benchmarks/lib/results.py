@@ -11,7 +11,8 @@
   :func:`checkpoint_study`;
 - result files: :func:`write_results` (``<stem>.json`` atomically, then ``<stem>.md`` rendered from it),
   :func:`load_results` (a saved JSON to merge into), :func:`rerender` (the markdown again from a saved JSON),
-  :func:`added_to_saved` (a grid's new jobs joined to a saved result whose run directories are gone);
+  :func:`added_to_saved` (a grid's new jobs joined to a saved result whose run directories are gone),
+  :func:`commands_so_far` (every command that built a result that later calls add to);
 - verdicts: :func:`seed_verdict` (is one method better than another over seeds: agree / disagree / undecided at
   twice the standard error of the difference and by Welch's t-test: :func:`seed_rules`, :func:`welch_t_test`).
 
@@ -282,6 +283,13 @@ def rerender(out: Path, stem: str, render: Callable[[dict], str]) -> dict:
     return res
 
 
+def commands_so_far(saved_meta: dict | None, command: str) -> list[str]:
+    """Every command that built a result, in order: the saved result's (``commands``, else its one ``command``;
+    none for a new result) then ``command``, a command run again listed once."""
+    earlier = (saved_meta.get("commands") or [saved_meta["command"]]) if saved_meta else []
+    return list(dict.fromkeys([*earlier, command]))
+
+
 def added_to_saved(saved: dict, jobs: list[dict], meta: dict) -> tuple[list[dict], dict]:
     """The saved result's jobs with ``jobs`` added, a new job replacing a saved one of the same data set, method
     and seed; the grid commands of both, and every command that built the result in order (``meta["commands"]``,
@@ -293,7 +301,7 @@ def added_to_saved(saved: dict, jobs: list[dict], meta: dict) -> tuple[list[dict
     merged = [j for j in saved["jobs"] if key(j) not in new] + jobs
     old = saved["meta"]
     meta = dict(meta, grid_commands=list(dict.fromkeys([*old["grid_commands"], *meta["grid_commands"]])),
-                commands=list(dict.fromkeys([*(old.get("commands") or [old["command"]]), meta["command"]])))
+                commands=commands_so_far(old, meta["command"]))
     if old.get("note"):
         meta.setdefault("note", old["note"])
     return merged, meta

@@ -29,6 +29,7 @@ from pathlib import Path
 from benchmarks.lib.jobs import thread_env, train_job
 from benchmarks.lib.results import (
     ROOT,
+    commands_so_far,
     load_results,
     machine_facts,
     rendered,
@@ -36,6 +37,7 @@ from benchmarks.lib.results import (
     script_command,
     write_results,
 )
+from benchmarks.lib.runs import slug
 
 MODULE = "benchmarks.studies.dkef_main_block"
 MAIN_JOB = ["model=dkef", "loss=sm"]
@@ -72,7 +74,8 @@ def render(res: dict) -> str:
     meta = res["meta"]
     lines = ["# The main job's DKEF block of record, trained (issue 60)", "",
              *(["Commands, in the order they built this result:", "", *(f"- `{c}`" for c in meta["commands"])]
-               if len(meta.get("commands", [])) > 1 else [f"Command: `{meta['command']}`"]), "", (f"Machine: {meta['machine']}; one `src.train` at a time, one "
+               if len(meta.get("commands", [])) > 1 else [f"Command: `{meta['command']}`"]), "",
+             (f"Machine: {meta['machine']}; one `src.train` at a time, one "
              "thread (other jobs on the machine stretch the times: read them as a guide, the cost side by side is "
              "`dkef_block_cost_main.md`)."), "",
              ("Each arm: `python -m src.train model=dkef loss=sm <arm's overrides> seed=<s>` (1520 steps). Test LL − "
@@ -122,15 +125,13 @@ def main(argv=None) -> dict:
     saved = load_results(args.out, args.name)  # the arms this call does not run keep their runs and commands
     command = script_command(MODULE, argv)
     old_meta = saved.get("meta", {})
-    res = {"meta": {"command": command, "machine": machine_facts(),
-                    "commands": list(dict.fromkeys([*old_meta.get("commands", [old_meta.get("command")] if old_meta
-                                                                  else []), command])),
+    res = {"meta": {"command": command, "machine": machine_facts(), "commands": commands_so_far(old_meta, command),
                     "note": args.note.read_text() if args.note else old_meta.get("note")},
            "arms": {a: {"overrides": [*MAIN_JOB, *ARMS[a]],
                         "runs": {} if a in arms else saved.get("arms", {}).get(a, {}).get("runs", {})} for a in ARMS}}
     for arm in arms:
         for seed in seeds:
-            run_dir = args.runs / f"{''.join(c if c.isascii() and c.isalnum() else '_' for c in arm)}_seed{seed}"
+            run_dir = args.runs / f"{slug(arm)}_seed{seed}"
             ran = train_job([*MAIN_JOB, *ARMS[arm], f"seed={seed}", "logger=csv",
                              "trainer.enable_progress_bar=false"], run_dir, thread_env(1))
             if not ran["ok"]:

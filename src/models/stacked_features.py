@@ -132,7 +132,7 @@ def _forward_steps(z_star, g, u_t, w1, steps: int, n_jet: int, keep: bool = Fals
     each block carry the jet (J ``[R, n_jet, D, W]``, L ``[R, n_jet, W]``; both None when ``n_jet`` is 0) and every
     row its value; with ``keep`` instead the tape of every step — its input (z, J, L) and its (p, P_J, P_L, σ₁, q)
     — for :class:`_PhantomSteps`' reverse sweep (the last step's output is then not formed)."""
-    r, n, w = z_star.shape
+    r, _, w = z_star.shape
     z, j, lap = z_star, None, None
     w1t = w1.transpose(1, 2)
     tape = []
@@ -156,7 +156,7 @@ def _forward_steps(z_star, g, u_t, w1, steps: int, n_jet: int, keep: bool = Fals
             tape.append((z, j, lap, p, pj, pl, s1, q))
             if k == int(steps) - 1:
                 break
-        s1j = s1[:, :n_jet] if n_jet < n else s1
+        s1j = s1[:, :n_jet]
         s2 = s1j * (1 - s1j)
         z = F.softplus(p)
         j = s1j.unsqueeze(2) * pj
@@ -195,7 +195,7 @@ class _PhantomSteps(torch.autograd.Function):
         z_star, g, u_t, w1 = ctx.saved_tensors
         n_jet = ctx.n_jet
         _, tape = _forward_steps(z_star, g, u_t, w1, ctx.steps, n_jet, keep=True)
-        r, n, w = z_star.shape
+        r, _, w = z_star.shape
         g_bar, w_bar = torch.zeros_like(g), torch.zeros_like(w1)
         u_bar = torch.zeros_like(u_t) if n_jet else None
         a_z = torch.zeros_like(z_star) if a_z is None else a_z
@@ -205,7 +205,7 @@ class _PhantomSteps(torch.autograd.Function):
         for z, j, lap, p, pj, pl, s1, q in reversed(tape):
             b_p = s1 * a_z
             if n_jet:
-                s1j = s1[:, :n_jet] if n_jet < n else s1
+                s1j = s1[:, :n_jet]
                 s2 = s1j * (1 - s1j)
                 c = s2 * (1 - 2 * s1j) * q if pl is None else torch.addcmul(s2 * pl, s2 * (1 - 2 * s1j), q)
                 b_p[:, :n_jet].add_(s2 * (a_j * pj).sum(2)).addcmul_(c, a_l)  # the jet rows' terms (a view of b_p)
